@@ -1,0 +1,745 @@
+// The caching allocator. Rules marked "torch:" model c10/cuda/CUDACachingAllocator.cpp
+// (DeviceCachingAllocator); rules marked "ours:" are where pymemplan departs from it.
+#include "allocator.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+
+#include "errors.hpp"
+
+namespace pymemplan {
+namespace {
+
+constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+
+std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+
+bool is_pow2(std::size_t n) { return n && !(n & (n - 1)); }
+
+std::size_t pow2_floor(std::size_t n) {
+  std::size_t p = 1;
+  while (p <= n / 2) p <<= 1;
+  return p;
+}
+
+// torch: roundup_power2_next_division(): split [2^k, 2^(k+1)) into `divisions` equal steps.
+std::size_t roundup_power2_next_division(std::size_t size, std::size_t divisions) {
+  if (is_pow2(size)) return size;
+  std::size_t floor = pow2_floor(size);
+  std::size_t step = floor / divisions;
+  if (step == 0) return floor << 1;
+  std::size_t rounded_floor = size & ~(step - 1);
+  return rounded_floor == size ? size : rounded_floor + step;
+}
+
+std::string to_hex(std::uintptr_t addr) {
+  std::ostringstream s;
+  s << "0x" << std::hex << addr;
+  return s.str();
+}
+
+}  // namespace
+
+CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config)
+    : device_(std::move(device)), config_(config) {
+  if (!device_) throw AllocatorError("CachingAllocator needs a device");
+  small_.small = true;
+  stats_.max_split_size = config_.max_split_size == kNoLimit
+                              ? -1
+                              : static_cast<std::int64_t>(config_.max_split_size);
+}
+
+CachingAllocator::~CachingAllocator() {
+  // The allocator's memory is going away with it: wait for queued work, return everything.
+  try {
+    for (auto& p : pending_) device_->synchronize_event(p.event);
+    for (auto& p : pending_) device_->destroy_event(p.event);
+    for (EventHandle e : event_pool_) device_->destroy_event(e);
+    for (auto& [addr, seg] : segments_) {
+      device_->free_segment(reinterpret_cast<void*>(addr), seg->size);
+    }
+  } catch (...) {
+    // A destructor cannot report; the device is being torn down anyway.
+  }
+  for (auto& [addr, seg] : segments_) {
+    for (Block* b = seg->head; b != nullptr;) {
+      Block* next = b->next;
+      delete b;
+      b = next;
+    }
+    delete seg;
+  }
+  for (Block* b : block_pool_) delete b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rules
+
+std::size_t CachingAllocator::round_size(std::size_t size) const {
+  // torch: round_size(): at least kMinBlockSize, multiples of 512 B, or power-of-two
+  // divisions when roundup_power2_divisions is set and the size is above 512 B * divisions.
+  if (size < kMinBlockSize) return kMinBlockSize;
+  std::size_t div = config_.roundup_power2_divisions;
+  if (div > 1 && size > kMinBlockSize * div) return roundup_power2_next_division(size, div);
+  return round_up(size, kMinBlockSize);
+}
+
+std::size_t CachingAllocator::segment_size(std::size_t rounded) const {
+  std::size_t bytes = rounded;
+  switch (config_.kind) {
+    case PolicyKind::Torch:
+      // torch: get_allocation_size(): small requests share 2 MiB segments, requests under
+      // kMinLargeAlloc (10 MiB) get a 20 MiB segment to split, larger ones their size
+      // rounded to 2 MiB.
+      if (rounded <= kSmallSize) {
+        bytes = kSmallBuffer;
+      } else if (rounded < kMinLargeAlloc) {
+        bytes = kLargeBuffer;
+      } else {
+        bytes = round_up(rounded, kRoundLarge);
+      }
+      break;
+    case PolicyKind::Pymemplan:
+      // ours: small requests share 2 MiB segments as in torch; a large request gets a segment
+      // of its own size rounded to the device granularity. A 20 MiB segment for a 2 MiB
+      // request strands up to 18 MiB in a split segment that cannot be returned while any
+      // piece of it is live; the granularity tail of an exact segment is split off and
+      // reused instead (see should_split).
+      bytes = rounded <= kSmallSize ? kSmallBuffer : rounded;
+      break;
+    case PolicyKind::NoCache:
+      // cudaMalloc of the rounded size, one per request.
+      return rounded;
+  }
+  return round_up(bytes, std::max<std::size_t>(device_->granularity(), 1));
+}
+
+bool CachingAllocator::should_split(const Block* block, std::size_t rounded) const {
+  std::size_t remaining = block->size - rounded;
+  switch (config_.kind) {
+    case PolicyKind::Torch:
+      // torch: should_split(): the small pool splits any remainder of at least 512 B; the
+      // large pool splits only requests below max_split_size with a remainder above 1 MiB
+      // (a smaller remainder stays attached to the block, allocated but unused).
+      if (block->segment->small) return remaining >= kMinBlockSize;
+      return rounded < config_.max_split_size && remaining > kSmallSize;
+    case PolicyKind::Pymemplan:
+      // ours: split any remainder of at least 512 B in both pools, so granularity tails and
+      // best-fit leftovers stay free and coalesce back when their neighbour is freed.
+      return rounded < config_.max_split_size && remaining >= kMinBlockSize;
+    case PolicyKind::NoCache:
+      return false;
+  }
+  return false;
+}
+
+bool CachingAllocator::acceptable(const Block* block, std::size_t rounded) const {
+  // torch: get_free_block(): do not hand an oversize block to a request below
+  // max_split_size, and do not hand an oversize block to a large request that would waste
+  // max_non_split_rounding or more.
+  if (rounded < config_.max_split_size && block->size >= config_.max_split_size) return false;
+  if (rounded >= config_.max_split_size &&
+      block->size >= rounded + config_.max_non_split_rounding) {
+    return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public entry points
+
+void* CachingAllocator::malloc(std::int64_t size, StreamId stream) {
+  std::string message;
+  Block* b;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (size <= 0) {
+      throw AllocatorError("invalid allocation size " + std::to_string(size) +
+                           ": the size must be a positive number of bytes");
+    }
+    b = allocate_locked(static_cast<std::size_t>(size), stream, &message);
+    if (b == nullptr) last_error_ = message;
+  }
+  if (b == nullptr) throw OutOfMemoryError(message);
+  return reinterpret_cast<void*>(b->addr);
+}
+
+void* CachingAllocator::try_malloc(std::int64_t size, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (size <= 0) {
+    throw AllocatorError("invalid allocation size " + std::to_string(size) +
+                         ": the size must be a positive number of bytes");
+  }
+  std::string message;
+  Block* b = allocate_locked(static_cast<std::size_t>(size), stream, &message);
+  if (b == nullptr) {
+    last_error_ = std::move(message);
+    return nullptr;
+  }
+  return reinterpret_cast<void*>(b->addr);
+}
+
+void CachingAllocator::free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* b = block_at(ptr, "free");
+  b->allocated = false;
+  const bool small = b->segment->small;
+  update_stat(&Stats::allocation, small, -1);
+  update_stat(&Stats::allocated_bytes, small, -static_cast<std::int64_t>(b->size));
+  update_stat(&Stats::requested_bytes, small, -static_cast<std::int64_t>(b->requested));
+  if (b->size >= config_.max_split_size) stats_.oversize_allocations.decrease(1);
+  if (!b->stream_uses.empty()) {
+    // torch: insert_events(): the block stays active until work queued on every stream
+    // that used it (as of now) has finished.
+    for (StreamId s : b->stream_uses) {
+      EventHandle e = get_event();
+      device_->record_event(e, s);
+      pending_.push_back({e, b, 0, 0});
+      ++b->pending_events;
+    }
+    b->stream_uses.clear();
+    return;
+  }
+  free_block(b);
+}
+
+void CachingAllocator::record_stream(void* ptr, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* b = block_at(ptr, "record_stream");
+  if (stream == b->stream) return;  // its own stream orders its own reuse
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
+    b->stream_uses.push_back(stream);
+  }
+}
+
+void CachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // torch: emptyCache() -> release_cached_blocks(): synchronize outstanding events first so
+  // blocks waiting on them can be released too.
+  synchronize_and_free_events();
+  release_cached(kNoLimit);
+}
+
+void CachingAllocator::set_memory_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_ = bytes;
+}
+
+void CachingAllocator::set_memory_fraction(double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw AllocatorError("invalid memory fraction " + std::to_string(fraction) +
+                         ": expected a number in (0, 1]");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_ = static_cast<std::size_t>(fraction * static_cast<double>(device_->capacity()));
+}
+
+std::size_t CachingAllocator::memory_limit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limit_;
+}
+
+Stats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.reset_peak();
+}
+
+void CachingAllocator::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.reset_accumulated();
+}
+
+std::string CachingAllocator::last_error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_error_;
+}
+
+std::vector<SegmentInfo> CachingAllocator::snapshot() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<SegmentInfo> out;
+  out.reserve(segments_.size());
+  for (const auto& [addr, seg] : segments_) {
+    SegmentInfo s;
+    s.address = seg->addr;
+    s.total_size = seg->size;
+    s.stream = seg->stream;
+    s.segment_type = seg->small ? "small" : "large";
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      BlockInfo info;
+      info.address = b->addr;
+      info.size = b->size;
+      info.requested_size = b->requested;
+      if (b->allocated) {
+        info.state = "active_allocated";
+        s.allocated_size += b->size;
+        s.active_size += b->size;
+      } else if (b->pending_events > 0) {
+        info.state = "active_pending_free";
+        s.active_size += b->size;
+      } else {
+        info.state = "inactive";
+      }
+      s.requested_size += b->requested;
+      s.blocks.push_back(info);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allocation
+
+Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std::string* oom) {
+  process_events();
+  const std::size_t rounded = round_size(size);
+  if (limit_ != 0 && rounded > limit_) {
+    ++stats_.num_ooms;
+    *oom = oom_message(size, rounded, stream, "the request alone exceeds the memory limit");
+    return nullptr;
+  }
+  Pool& pool = pool_for(rounded);
+  Block* b = find_free_block(pool, rounded, stream);
+  if (b == nullptr && config_.cross_stream_reuse) {
+    drain_other_streams(pool, stream);
+    b = find_free_block(pool, rounded, stream);
+  }
+  if (b == nullptr) {
+    const std::size_t seg = segment_size(rounded);
+    if (config_.release_before_grow && !unused_segments_.empty() &&
+        reserved_ + static_cast<std::int64_t>(seg) > reserved_hwm_) {
+      // ours: cached segments that cannot serve this request would otherwise sit under a
+      // new, higher peak; give back just enough of them to keep the peak where it was.
+      release_cached(static_cast<std::size_t>(reserved_ + static_cast<std::int64_t>(seg) -
+                                              reserved_hwm_));
+    }
+    b = new_segment(pool, seg, stream);
+    // torch: release_available_cached_blocks(): with max_split_size set, free oversize
+    // cached blocks of this stream (one big enough, else the largest ones) and retry.
+    if (b == nullptr && release_oversize_for(pool, rounded, stream)) {
+      b = new_segment(pool, seg, stream);
+    }
+    if (b == nullptr) {
+      // torch: release_cached_blocks() and alloc_block(isRetry=true): wait for pending
+      // frees, return every wholly free segment, and try once more.
+      synchronize_and_free_events();
+      release_cached(kNoLimit);
+      ++stats_.num_alloc_retries;
+      // ours: blocks whose pending frees just completed may serve the request as they are.
+      if (config_.kind == PolicyKind::Pymemplan) b = find_free_block(pool, rounded, stream);
+      if (b == nullptr) b = new_segment(pool, seg, stream);
+    }
+    if (b == nullptr) {
+      ++stats_.num_ooms;
+      const bool over_limit = limit_ != 0 && reserved_ + static_cast<std::int64_t>(seg) >
+                                                 static_cast<std::int64_t>(limit_);
+      *oom = oom_message(size, rounded, stream,
+                         over_limit ? "a new segment would exceed the memory limit"
+                                    : "the device has no free memory for a new segment");
+      return nullptr;
+    }
+  }
+  return take(b, rounded, size, stream);
+}
+
+Block* CachingAllocator::best_fit(Pool& pool, std::size_t rounded, StreamId key) {
+  Block probe;
+  probe.stream = key;
+  probe.size = rounded;
+  probe.addr = 0;
+  auto it = pool.free.lower_bound(&probe);
+  if (it == pool.free.end() || (*it)->stream != key) return nullptr;
+  return *it;
+}
+
+Block* CachingAllocator::find_free_block(Pool& pool, std::size_t rounded, StreamId stream) {
+  if (config_.kind == PolicyKind::NoCache) return nullptr;
+  Block* own = best_fit(pool, rounded, stream);
+  if (own != nullptr && !acceptable(own, rounded)) own = nullptr;
+  Block* shared = nullptr;
+  if (config_.cross_stream_reuse) {
+    shared = best_fit(pool, rounded, kAnyStream);
+    if (shared != nullptr && !acceptable(shared, rounded)) shared = nullptr;
+  }
+  Block* b = own;
+  if (shared != nullptr && (own == nullptr || shared->size < own->size)) b = shared;
+  if (b != nullptr) erase_free(b);
+  return b;
+}
+
+Block* CachingAllocator::new_segment(Pool& pool, std::size_t bytes, StreamId stream) {
+  if (limit_ != 0 && static_cast<std::size_t>(reserved_) + bytes > limit_) return nullptr;
+  void* ptr = device_->allocate_segment(bytes);
+  if (ptr == nullptr) return nullptr;
+  auto* seg = new Segment;
+  seg->addr = reinterpret_cast<std::uintptr_t>(ptr);
+  seg->size = bytes;
+  seg->stream = stream;
+  seg->small = pool.small;
+  Block* b = new_block();
+  b->addr = seg->addr;
+  b->size = bytes;
+  b->stream = stream;
+  b->segment = seg;
+  seg->head = b;
+  segments_.emplace(seg->addr, seg);
+  reserved_ += static_cast<std::int64_t>(bytes);
+  reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  update_stat(&Stats::segment, pool.small, 1);
+  update_stat(&Stats::reserved_bytes, pool.small, static_cast<std::int64_t>(bytes));
+  if (bytes >= config_.max_split_size) stats_.oversize_segments.increase(1);
+  ++stats_.num_device_alloc;
+  return b;
+}
+
+Block* CachingAllocator::take(Block* b, std::size_t rounded, std::size_t requested,
+                              StreamId stream) {
+  // `b` is free and in no free list.
+  if (should_split(b, rounded)) {
+    Block* rest = new_block();
+    rest->addr = b->addr + rounded;
+    rest->size = b->size - rounded;
+    rest->stream = b->stream;  // the remainder keeps the owner the whole block had
+    rest->free_seq = b->free_seq;
+    rest->segment = b->segment;
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next != nullptr) b->next->prev = rest;
+    b->next = rest;
+    b->size = rounded;
+    insert_free(rest);
+  }
+  b->allocated = true;
+  b->requested = requested;
+  b->stream = stream;
+  allocated_.emplace(b->addr, b);
+  const bool small = b->segment->small;
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  update_stat(&Stats::allocation, small, 1);
+  update_stat(&Stats::allocated_bytes, small, bytes);
+  update_stat(&Stats::active, small, 1);
+  update_stat(&Stats::active_bytes, small, bytes);
+  update_stat(&Stats::requested_bytes, small, static_cast<std::int64_t>(requested));
+  if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Freeing
+
+void CachingAllocator::free_block(Block* b) {
+  // `b` is no longer allocated and waits on no event; it becomes reusable by its stream.
+  allocated_.erase(b->addr);
+  const bool small = b->segment->small;
+  update_stat(&Stats::active, small, -1);
+  update_stat(&Stats::active_bytes, small, -static_cast<std::int64_t>(b->size));
+  b->requested = 0;
+  b->free_seq = ++free_seq_;
+  if (config_.kind == PolicyKind::NoCache) {
+    release_segment(b);
+    return;
+  }
+  // Coalesce with free address-neighbours of the same owner: merging with another stream's
+  // block would let this stream reuse memory that stream may still be using.
+  if (b->prev != nullptr && b->prev->is_free() && b->prev->stream == b->stream) {
+    Block* prev = b->prev;
+    erase_free(prev);
+    b = merge(prev, b);
+  }
+  if (b->next != nullptr && b->next->is_free() && b->next->stream == b->stream) {
+    Block* next = b->next;
+    erase_free(next);
+    b = merge(b, next);
+  }
+  insert_free(b);
+}
+
+Block* CachingAllocator::merge(Block* first, Block* second) {
+  // `first` immediately precedes `second` in the same segment; both are free and listed nowhere.
+  first->size += second->size;
+  first->next = second->next;
+  if (second->next != nullptr) second->next->prev = first;
+  // A drain covers only blocks freed before it: the merged block is as young as its
+  // youngest part.
+  first->free_seq = std::max(first->free_seq, second->free_seq);
+  delete_block(second);
+  return first;
+}
+
+void CachingAllocator::insert_free(Block* b) {
+  Pool& pool = b->segment->small ? small_ : large_;
+  pool.free.insert(b);
+  if (b->is_whole_segment()) {
+    unused_segments_.insert(b);
+  } else {
+    update_stat(&Stats::inactive_split, pool.small, 1);
+    update_stat(&Stats::inactive_split_bytes, pool.small, static_cast<std::int64_t>(b->size));
+  }
+}
+
+void CachingAllocator::erase_free(Block* b) {
+  Pool& pool = b->segment->small ? small_ : large_;
+  pool.free.erase(b);
+  if (b->is_whole_segment()) {
+    unused_segments_.erase(b);
+  } else {
+    update_stat(&Stats::inactive_split, pool.small, -1);
+    update_stat(&Stats::inactive_split_bytes, pool.small, -static_cast<std::int64_t>(b->size));
+  }
+}
+
+void CachingAllocator::release_segment(Block* b) {
+  // `b` spans its whole segment, is free and listed nowhere.
+  Segment* seg = b->segment;
+  device_->free_segment(reinterpret_cast<void*>(seg->addr), seg->size);
+  reserved_ -= static_cast<std::int64_t>(seg->size);
+  update_stat(&Stats::segment, seg->small, -1);
+  update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(seg->size));
+  if (seg->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
+  ++stats_.num_device_free;
+  segments_.erase(seg->addr);
+  delete seg;
+  delete_block(b);
+}
+
+std::size_t CachingAllocator::release_cached(std::size_t needed) {
+  std::size_t released = 0;
+  while (released < needed && !unused_segments_.empty()) {
+    Block* b = *unused_segments_.begin();  // the largest
+    released += b->size;
+    erase_free(b);
+    release_segment(b);
+  }
+  return released;
+}
+
+bool CachingAllocator::release_oversize_for(Pool& pool, std::size_t rounded, StreamId stream) {
+  if (config_.max_split_size == kNoLimit) return false;
+  const std::size_t want = std::max(rounded, config_.max_split_size);
+  Block probe;
+  probe.stream = stream;
+  probe.size = want;
+  auto it = pool.free.lower_bound(&probe);
+  if (it != pool.free.end() && (*it)->stream == stream && (*it)->is_whole_segment()) {
+    Block* b = *it;
+    erase_free(b);
+    release_segment(b);
+    return true;
+  }
+  // No single block is large enough: release oversize blocks of this stream, largest first.
+  std::vector<Block*> victims;
+  std::size_t total = 0;
+  while (it != pool.free.begin() && total < want) {
+    --it;
+    Block* b = *it;
+    if (b->stream != stream || b->size < config_.max_split_size) break;
+    if (!b->is_whole_segment()) continue;
+    victims.push_back(b);
+    total += b->size;
+  }
+  if (total < want) return false;
+  for (Block* b : victims) {
+    erase_free(b);
+    release_segment(b);
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Events and streams
+
+void CachingAllocator::process_events() {
+  // Completed events release their blocks; incomplete ones stay queued.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (!device_->query_event(it->event)) {
+      ++it;
+      continue;
+    }
+    PendingEvent done = *it;
+    it = pending_.erase(it);
+    complete_event(done);
+    // complete_event may not touch pending_, so `it` stays valid.
+  }
+}
+
+void CachingAllocator::synchronize_and_free_events() {
+  if (pending_.empty()) return;
+  ++stats_.num_sync_all_streams;
+  std::deque<PendingEvent> all;
+  all.swap(pending_);
+  for (auto& p : all) {
+    device_->synchronize_event(p.event);
+    complete_event(p);
+  }
+}
+
+void CachingAllocator::complete_event(const PendingEvent& p) {
+  return_event(p.event);
+  if (p.block != nullptr) {
+    if (--p.block->pending_events == 0) free_block(p.block);
+    return;
+  }
+  draining_.erase(std::remove(draining_.begin(), draining_.end(), p.drained_stream),
+                  draining_.end());
+  share_blocks_of(p.drained_stream, p.drain_seq);
+}
+
+void CachingAllocator::drain_other_streams(Pool& pool, StreamId stream) {
+  // Ask every other stream holding free blocks in this pool to mark its queue; once the
+  // mark is reached, the blocks it freed before are safe for any stream.
+  bool recorded = false;
+  Block probe;
+  probe.size = 0;
+  probe.addr = 0;
+  for (auto it = pool.free.begin(); it != pool.free.end();) {
+    const StreamId owner = (*it)->stream;
+    if (owner == kAnyStream) break;  // kAnyStream sorts last
+    if (owner != stream &&
+        std::find(draining_.begin(), draining_.end(), owner) == draining_.end()) {
+      EventHandle e = get_event();
+      device_->record_event(e, owner);
+      pending_.push_back({e, nullptr, owner, free_seq_});
+      draining_.push_back(owner);
+      recorded = true;
+    }
+    probe.stream = owner + 1;  // jump to the next owner
+    it = pool.free.lower_bound(&probe);
+  }
+  if (recorded) process_events();
+}
+
+void CachingAllocator::share_blocks_of(StreamId owner, std::uint64_t up_to_seq) {
+  for (Pool* pool : {&small_, &large_}) {
+    Block probe;
+    probe.stream = owner;
+    probe.size = 0;
+    probe.addr = 0;
+    std::vector<Block*> blocks;
+    for (auto it = pool->free.lower_bound(&probe);
+         it != pool->free.end() && (*it)->stream == owner; ++it) {
+      if ((*it)->free_seq <= up_to_seq) blocks.push_back(*it);
+    }
+    for (Block* b : blocks) {
+      erase_free(b);
+      b->stream = kAnyStream;
+    }
+    for (Block* b : blocks) {
+      // Neighbours shared in this same pass may already have absorbed `b`.
+      if (b->segment == nullptr) continue;
+      if (b->prev != nullptr && b->prev->is_free() && b->prev->stream == kAnyStream &&
+          pool->free.count(b->prev)) {
+        Block* prev = b->prev;
+        erase_free(prev);
+        b = merge(prev, b);
+      }
+      if (b->next != nullptr && b->next->is_free() && b->next->stream == kAnyStream &&
+          pool->free.count(b->next)) {
+        Block* next = b->next;
+        erase_free(next);
+        b = merge(b, next);
+      }
+      insert_free(b);
+    }
+  }
+}
+
+EventHandle CachingAllocator::get_event() {
+  if (event_pool_.empty()) return device_->create_event();
+  EventHandle e = event_pool_.back();
+  event_pool_.pop_back();
+  return e;
+}
+
+void CachingAllocator::return_event(EventHandle e) { event_pool_.push_back(e); }
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+Block* CachingAllocator::block_at(void* ptr, const char* what) const {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = allocated_.find(addr);
+  if (it != allocated_.end()) {
+    if (it->second->allocated) return it->second;
+    throw AllocatorError(std::string(what) + ": pointer " + to_hex(addr) +
+                         " was already freed (double free); it is waiting on stream events");
+  }
+  auto seg = segments_.upper_bound(addr);
+  if (seg != segments_.begin()) {
+    --seg;
+    const Segment* s = seg->second;
+    if (addr < s->addr + s->size) {
+      for (const Block* b = s->head; b != nullptr; b = b->next) {
+        if (b->addr == addr) {
+          throw AllocatorError(std::string(what) + ": pointer " + to_hex(addr) +
+                               " is not allocated (double free, or a pointer already freed)");
+        }
+      }
+      throw AllocatorError(std::string(what) + ": pointer " + to_hex(addr) +
+                           " points inside a block, not at its start; pass the pointer that "
+                           "malloc returned");
+    }
+  }
+  throw AllocatorError(std::string(what) + ": pointer " + to_hex(addr) +
+                       " was not allocated by this allocator");
+}
+
+void CachingAllocator::update_stat(StatArray Stats::*field, bool small, std::int64_t delta) {
+  StatArray& a = stats_.*field;
+  Stat& pool = a[small ? kSmallPool : kLargePool];
+  if (delta >= 0) {
+    a[kAllPools].increase(delta);
+    pool.increase(delta);
+  } else {
+    a[kAllPools].decrease(-delta);
+    pool.decrease(-delta);
+  }
+}
+
+Block* CachingAllocator::new_block() {
+  if (block_pool_.empty()) return new Block;
+  Block* b = block_pool_.back();
+  block_pool_.pop_back();
+  *b = Block{};
+  return b;
+}
+
+void CachingAllocator::delete_block(Block* b) {
+  b->segment = nullptr;  // marks it dead for passes that still hold the pointer
+  b->stream_uses.clear();
+  block_pool_.push_back(b);
+}
+
+std::string CachingAllocator::oom_message(std::size_t size, std::size_t rounded, StreamId stream,
+                                          const char* reason) const {
+  std::size_t largest_free = 0;
+  std::int64_t free_cached = 0;
+  for (const Pool* pool : {&small_, &large_}) {
+    for (const Block* b : pool->free) {
+      largest_free = std::max(largest_free, b->size);
+      free_cached += static_cast<std::int64_t>(b->size);
+    }
+  }
+  const std::int64_t allocated = stats_.allocated_bytes[kAllPools].current;
+  std::ostringstream m;
+  m << "pymemplan: out of memory: tried to allocate " << format_bytes(static_cast<long long>(size))
+    << " (rounded to " << format_bytes(static_cast<long long>(rounded)) << ") on stream "
+    << stream << ": " << reason << ". Allocated " << format_bytes(allocated) << ", reserved "
+    << format_bytes(reserved_) << " in " << segments_.size() << " segments, of which "
+    << format_bytes(free_cached) << " is cached free; the largest free block is "
+    << format_bytes(static_cast<long long>(largest_free)) << ". Device capacity "
+    << format_bytes(static_cast<long long>(device_->capacity()));
+  if (limit_ != 0) m << ", memory limit " << format_bytes(static_cast<long long>(limit_));
+  m << ".";
+  if (free_cached > 0 && largest_free < rounded) {
+    m << " Free memory is fragmented: no free block is large enough for this request.";
+  }
+  return m.str();
+}
+
+}  // namespace pymemplan

@@ -1,0 +1,144 @@
+// The caching allocator: one engine, three rule sets (PolicyKind), any Device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <set>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "block.hpp"
+#include "config.hpp"
+#include "device.hpp"
+#include "snapshot.hpp"
+#include "stats.hpp"
+
+namespace pymemplan {
+
+// Sizes from PyTorch's c10/cuda/CUDACachingAllocator.cpp (namespace-level constants there).
+constexpr std::size_t kMinBlockSize = 512;       // all sizes are rounded to multiples of 512 B
+constexpr std::size_t kSmallSize = 1 * kMiB;     // largest "small" request
+constexpr std::size_t kSmallBuffer = 2 * kMiB;   // segment size of the small pool
+constexpr std::size_t kLargeBuffer = 20 * kMiB;  // segment for requests in (1 MiB, 10 MiB)
+constexpr std::size_t kMinLargeAlloc = 10 * kMiB;
+constexpr std::size_t kRoundLarge = 2 * kMiB;    // larger segments are rounded to 2 MiB
+
+// Wholly free segments, largest first: the order in which cache is released.
+struct LargestFirst {
+  bool operator()(const Block* a, const Block* b) const {
+    return a->size != b->size ? a->size > b->size : a->addr < b->addr;
+  }
+};
+
+class CachingAllocator {
+ public:
+  CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config);
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Memory for `size` bytes used on `stream`. Throws AllocatorError for size <= 0 and
+  // OutOfMemoryError (after releasing cache and retrying) when it cannot be served.
+  void* malloc(std::int64_t size, StreamId stream);
+  // As malloc, but returns nullptr on out-of-memory and leaves the message in last_error().
+  // For callers that must not throw (the C ABI). Still throws AllocatorError on misuse.
+  void* try_malloc(std::int64_t size, StreamId stream);
+  // Throws AllocatorError for a pointer this allocator did not hand out or already freed.
+  void free(void* ptr);
+  // The block holding `ptr` is also used on `stream`: it is not reused until work queued on
+  // `stream` at free time has completed.
+  void record_stream(void* ptr, StreamId stream);
+  // Wait for pending frees, then give every wholly free segment back to the device.
+  void empty_cache();
+
+  // Limit on reserved bytes; 0 removes it. A fraction is of the device capacity.
+  void set_memory_limit(std::size_t bytes);
+  void set_memory_fraction(double fraction);
+  std::size_t memory_limit() const;
+
+  Stats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  std::vector<SegmentInfo> snapshot() const;
+  // The size a request is rounded to under this policy.
+  std::size_t round_size(std::size_t size) const;
+
+  const PolicyConfig& config() const { return config_; }
+  Device& device() { return *device_; }
+  std::string last_error() const;
+
+ private:
+  struct Pool {
+    bool small = false;
+    FreeList free;
+  };
+  struct PendingEvent {
+    EventHandle event;
+    Block* block;  // a freed block waiting on this event; nullptr for a stream drain
+    StreamId drained_stream;
+    std::uint64_t drain_seq;
+  };
+
+  Block* allocate_locked(std::size_t size, StreamId stream, std::string* oom_message);
+  Pool& pool_for(std::size_t rounded) { return rounded <= kSmallSize ? small_ : large_; }
+  std::size_t segment_size(std::size_t rounded) const;
+  bool should_split(const Block* block, std::size_t rounded) const;
+
+  Block* find_free_block(Pool& pool, std::size_t rounded, StreamId stream);
+  Block* best_fit(Pool& pool, std::size_t rounded, StreamId key);
+  bool acceptable(const Block* block, std::size_t rounded) const;
+  Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
+  Block* take(Block* block, std::size_t rounded, std::size_t requested, StreamId stream);
+  void free_block(Block* block);
+  Block* merge(Block* into, Block* other);
+
+  void insert_free(Block* block);
+  void erase_free(Block* block);
+  void release_segment(Block* block);
+  // Release wholly free segments, largest first, until `needed` bytes are released (or all
+  // of them with needed == SIZE_MAX). Returns bytes released.
+  std::size_t release_cached(std::size_t needed);
+  bool release_oversize_for(Pool& pool, std::size_t rounded, StreamId stream);
+
+  void process_events();
+  void complete_event(const PendingEvent& p);
+  void synchronize_and_free_events();
+  void drain_other_streams(Pool& pool, StreamId stream);
+  void share_blocks_of(StreamId owner, std::uint64_t up_to_seq);
+  EventHandle get_event();
+  void return_event(EventHandle e);
+
+  std::string oom_message(std::size_t size, std::size_t rounded, StreamId stream,
+                          const char* reason) const;
+  Block* block_at(void* ptr, const char* what) const;
+  void update_stat(StatArray Stats::*field, bool small, std::int64_t delta);
+  Block* new_block();
+  void delete_block(Block* b);
+
+  std::shared_ptr<Device> device_;
+  PolicyConfig config_;
+  mutable std::mutex mutex_;
+  Pool small_;
+  Pool large_;
+  std::unordered_map<std::uintptr_t, Block*> allocated_;  // by address, allocated or pending
+  std::map<std::uintptr_t, Segment*> segments_;           // by address, to find a pointer's segment
+  std::set<Block*, LargestFirst> unused_segments_;        // free blocks spanning a whole segment
+  std::deque<PendingEvent> pending_;
+  std::vector<EventHandle> event_pool_;
+  std::vector<StreamId> draining_;  // streams with a drain event in flight
+  std::vector<Block*> block_pool_;
+  std::uint64_t free_seq_ = 0;
+  std::size_t limit_ = 0;  // 0: none
+  std::int64_t reserved_ = 0;
+  std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
+  Stats stats_;
+  std::string last_error_;
+};
+
+}  // namespace pymemplan

@@ -1,0 +1,58 @@
+// Blocks, segments and the ordered free lists the allocator searches.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <set>
+#include <vector>
+
+#include "device.hpp"
+
+namespace pymemplan {
+
+// Owner key of a free block that any stream may take: its last owner's work is known done.
+constexpr StreamId kAnyStream = ~StreamId{0};
+
+struct Segment;
+
+// A contiguous range inside one segment: allocated to a caller, or free.
+struct Block {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  std::size_t requested = 0;  // the caller's size while allocated; 0 when free
+  // Allocated: the allocation stream. Free: the only stream that may reuse it at once, or
+  // kAnyStream once that stream's work is known complete.
+  StreamId stream = 0;
+  bool allocated = false;
+  int pending_events = 0;             // freed, but waiting on this many events before reuse
+  std::vector<StreamId> stream_uses;  // streams other than `stream` that used it (record_stream)
+  std::uint64_t free_seq = 0;         // order in which it became free (for stream drains)
+  Segment* segment = nullptr;
+  Block* prev = nullptr;  // address neighbours within the segment (never across segments)
+  Block* next = nullptr;
+
+  bool is_free() const { return !allocated && pending_events == 0; }
+  // A block spanning its whole segment: the segment can go back to the device.
+  bool is_whole_segment() const { return prev == nullptr && next == nullptr; }
+};
+
+struct Segment {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  StreamId stream = 0;  // stream it was allocated for
+  bool small = false;   // which pool it belongs to
+  Block* head = nullptr;
+};
+
+// Free blocks ordered by (owner stream, size, address): lower_bound on (stream, n, 0) is the
+// best fit for a request of n bytes on that stream, in O(log n).
+struct BlockBySize {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->addr < b->addr;
+  }
+};
+using FreeList = std::set<Block*, BlockBySize>;
+
+}  // namespace pymemplan

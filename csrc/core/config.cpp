@@ -1,0 +1,184 @@
+#include "config.hpp"
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "errors.hpp"
+
+namespace pymemplan {
+namespace {
+
+struct KeyInfo {
+  const char* key;
+  const char* values;  // what a valid value looks like, for error messages
+  bool ours_only;
+};
+
+constexpr KeyInfo kKeys[] = {
+    {"max_split_size_mb", "an integer > 20 (MiB)", false},
+    {"max_non_split_rounding_mb", "an integer >= 0 (MiB)", false},
+    {"roundup_power2_divisions", "0 or a power of two between 1 and 64", false},
+    {"release_before_grow", "True or False", true},
+    {"cross_stream_reuse", "True or False", true},
+};
+
+std::string trim(const std::string& s) {
+  std::size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+std::string valid_keys(PolicyKind kind) {
+  std::string out;
+  for (const auto& k : kKeys) {
+    if (k.ours_only && kind != PolicyKind::Pymemplan) continue;
+    if (kind == PolicyKind::NoCache) break;  // nocache has no knobs
+    out += out.empty() ? "" : ", ";
+    out += std::string(k.key) + " (" + k.values + ")";
+  }
+  return out.empty() ? "none" : out;
+}
+
+[[noreturn]] void bad_value(const std::string& key, const std::string& value, const char* expected) {
+  throw AllocatorError("allocator config: bad value '" + value + "' for '" + key + "': expected " +
+                       expected);
+}
+
+long long parse_int(const std::string& key, const std::string& value, const char* expected) {
+  if (value.empty()) bad_value(key, value, expected);
+  std::size_t pos = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(value, &pos);
+  } catch (const std::exception&) {
+    bad_value(key, value, expected);
+  }
+  if (pos != value.size()) bad_value(key, value, expected);
+  return v;
+}
+
+bool parse_bool(const std::string& key, const std::string& value) {
+  if (value == "True" || value == "true" || value == "1") return true;
+  if (value == "False" || value == "false" || value == "0") return false;
+  bad_value(key, value, "True or False");
+}
+
+}  // namespace
+
+std::vector<std::string> PolicyConfig::policy_names() { return {"pymemplan", "torch", "nocache"}; }
+
+std::string PolicyConfig::policy_name() const {
+  switch (kind) {
+    case PolicyKind::Pymemplan: return "pymemplan";
+    case PolicyKind::Torch: return "torch";
+    case PolicyKind::NoCache: return "nocache";
+  }
+  return "?";
+}
+
+PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& conf) {
+  PolicyConfig c;
+  if (policy == "pymemplan") {
+    c.kind = PolicyKind::Pymemplan;
+  } else if (policy == "torch") {
+    c.kind = PolicyKind::Torch;
+    c.release_before_grow = false;
+    c.cross_stream_reuse = false;
+  } else if (policy == "nocache") {
+    c.kind = PolicyKind::NoCache;
+    c.release_before_grow = false;
+    c.cross_stream_reuse = false;
+  } else {
+    throw AllocatorError("unknown allocator policy '" + policy +
+                         "': valid policies are pymemplan, torch, nocache");
+  }
+
+  std::stringstream items(conf);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    item = trim(item);
+    if (item.empty()) continue;
+    auto colon = item.find(':');
+    if (colon == std::string::npos) {
+      throw AllocatorError("allocator config: '" + item +
+                           "' is not of the form key:value; valid keys for policy '" + policy +
+                           "': " + valid_keys(c.kind));
+    }
+    std::string key = trim(item.substr(0, colon));
+    std::string value = trim(item.substr(colon + 1));
+    bool known = false;
+    for (const auto& k : kKeys) {
+      if (key == k.key && !(k.ours_only && c.kind != PolicyKind::Pymemplan) &&
+          c.kind != PolicyKind::NoCache) {
+        known = true;
+      }
+    }
+    if (!known) {
+      throw AllocatorError("allocator config: unknown key '" + key + "' for policy '" + policy +
+                           "'; valid keys: " + valid_keys(c.kind));
+    }
+    if (key == "max_split_size_mb") {
+      // PyTorch requires > kLargeBuffer (20 MiB) so that every oversize block is a whole
+      // segment (CUDAAllocatorConfig::parseMaxSplitSize).
+      long long mb = parse_int(key, value, "an integer > 20 (MiB)");
+      if (mb <= 20 || mb > (1LL << 40)) bad_value(key, value, "an integer > 20 (MiB)");
+      c.max_split_size = static_cast<std::size_t>(mb) * kMiB;
+    } else if (key == "max_non_split_rounding_mb") {
+      long long mb = parse_int(key, value, "an integer >= 0 (MiB)");
+      if (mb < 0 || mb > (1LL << 40)) bad_value(key, value, "an integer >= 0 (MiB)");
+      c.max_non_split_rounding = static_cast<std::size_t>(mb) * kMiB;
+    } else if (key == "roundup_power2_divisions") {
+      const char* expected = "0 or a power of two between 1 and 64";
+      long long d = parse_int(key, value, expected);
+      if (d < 0 || d > 64 || (d & (d - 1)) != 0) bad_value(key, value, expected);
+      c.roundup_power2_divisions = static_cast<std::size_t>(d);
+    } else if (key == "release_before_grow") {
+      c.release_before_grow = parse_bool(key, value);
+    } else if (key == "cross_stream_reuse") {
+      c.cross_stream_reuse = parse_bool(key, value);
+    }
+  }
+  return c;
+}
+
+std::string PolicyConfig::to_string() const {
+  if (kind == PolicyKind::NoCache) return "";
+  std::ostringstream out;
+  bool first = true;
+  auto put = [&](const char* k, const std::string& v) {
+    out << (first ? "" : ",") << k << ':' << v;
+    first = false;
+  };
+  if (max_split_size != std::numeric_limits<std::size_t>::max()) {
+    put("max_split_size_mb", std::to_string(max_split_size / kMiB));
+  }
+  put("max_non_split_rounding_mb", std::to_string(max_non_split_rounding / kMiB));
+  put("roundup_power2_divisions", std::to_string(roundup_power2_divisions));
+  if (kind == PolicyKind::Pymemplan) {
+    put("release_before_grow", release_before_grow ? "True" : "False");
+    put("cross_stream_reuse", cross_stream_reuse ? "True" : "False");
+  }
+  return out.str();
+}
+
+std::string format_bytes(long long bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (std::fabs(v) >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0) {
+    std::snprintf(buf, sizeof buf, "%lld B", bytes);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  }
+  return buf;
+}
+
+}  // namespace pymemplan

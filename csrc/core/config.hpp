@@ -1,0 +1,47 @@
+// Policy parameters, parsed from a PYTORCH_CUDA_ALLOC_CONF-style string ("key:value,...").
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace pymemplan {
+
+constexpr std::size_t kKiB = 1024;
+constexpr std::size_t kMiB = 1024 * kKiB;
+
+// Which rule set the engine follows.
+enum class PolicyKind {
+  Pymemplan,  // ours: see allocator.cpp for where it departs from PyTorch and why
+  Torch,      // a model of c10/cuda/CUDACachingAllocator.cpp's native policy
+  NoCache,    // one device allocation per request (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+};
+
+struct PolicyConfig {
+  PolicyKind kind = PolicyKind::Pymemplan;
+
+  // Blocks at least this large are never split ("oversize"); PyTorch's max_split_size_mb.
+  std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
+  // An oversize cached block serves a request only if it wastes less than this.
+  std::size_t max_non_split_rounding = 20 * kMiB;
+  // Round requests up to one of this many divisions between powers of two (0: off).
+  std::size_t roundup_power2_divisions = 0;
+  // Before a new segment would raise peak reserved memory, release wholly free cached
+  // segments first (ours only; PyTorch releases cached segments only after a failed cudaMalloc).
+  bool release_before_grow = true;
+  // Free blocks of one stream become usable by others once an event shows the owner's work
+  // is done (ours only; PyTorch never reuses a block across streams).
+  bool cross_stream_reuse = true;
+
+  // Defaults of a named policy ("pymemplan", "torch", "nocache") then the settings in `conf`.
+  // Throws AllocatorError naming the bad key or value and listing the valid ones.
+  static PolicyConfig parse(const std::string& policy, const std::string& conf = "");
+  static std::vector<std::string> policy_names();
+
+  std::string policy_name() const;
+  // The settings back as a config string (keys valid for this policy only).
+  std::string to_string() const;
+};
+
+}  // namespace pymemplan

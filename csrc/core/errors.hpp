@@ -1,0 +1,29 @@
+// Errors the allocator reports. Each leaves the allocator in the state it had before the call.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace pymemplan {
+
+// Misuse by the caller: bad size, unknown or double-freed pointer, bad configuration.
+class AllocatorError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// The request cannot be served even after the OOM ladder ran.
+class OutOfMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The device itself failed (a driver error other than out-of-memory).
+class DeviceError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::string format_bytes(long long bytes);
+
+}  // namespace pymemplan

@@ -1,0 +1,66 @@
+#include "replay.hpp"
+
+#include <chrono>
+#include <string>
+#include <unordered_map>
+
+#include "errors.hpp"
+
+namespace pymemplan {
+
+ReplayResult replay(CachingAllocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
+                    const std::int64_t* size, const std::int64_t* stream, std::size_t n) {
+  struct Live {
+    void* address;  // nullptr: the allocation failed
+    std::int64_t size;
+  };
+  std::unordered_map<std::int64_t, Live> live;
+  live.reserve(1024);
+  ReplayResult r;
+  std::int64_t live_bytes = 0;
+  const Stats before = allocator.stats();
+  const auto start = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < n; ++i) {
+    switch (action[i]) {
+      case kTraceAlloc: {
+        void* p = allocator.try_malloc(size[i], static_cast<StreamId>(stream[i]));
+        if (p == nullptr) ++r.ooms;
+        if (!live.emplace(ptr[i], Live{p, size[i]}).second) {
+          throw AllocatorError("trace event " + std::to_string(i) + ": pointer " +
+                               std::to_string(ptr[i]) + " allocated again while still live");
+        }
+        live_bytes += size[i];
+        if (live_bytes > r.peak_live_bytes) r.peak_live_bytes = live_bytes;
+        break;
+      }
+      case kTraceFree: {
+        auto it = live.find(ptr[i]);
+        if (it == live.end()) {
+          throw AllocatorError("trace event " + std::to_string(i) + ": free of pointer " +
+                               std::to_string(ptr[i]) + " that is not live");
+        }
+        if (it->second.address != nullptr) allocator.free(it->second.address);
+        live_bytes -= it->second.size;
+        live.erase(it);
+        break;
+      }
+      case kTraceAllocFailure:
+        break;  // the recorded allocator refused it; the program did not get the memory
+      default:
+        throw AllocatorError("trace event " + std::to_string(i) + ": unknown action " +
+                             std::to_string(action[i]));
+    }
+  }
+  const auto stop = std::chrono::steady_clock::now();
+  const Stats after = allocator.stats();
+  r.events = static_cast<std::int64_t>(n);
+  r.peak_allocated_bytes = after.allocated_bytes[kAllPools].peak;
+  r.peak_reserved_bytes = after.reserved_bytes[kAllPools].peak;
+  r.device_allocs = after.num_device_alloc - before.num_device_alloc;
+  r.device_frees = after.num_device_free - before.num_device_free;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stop - start).count();
+  r.ns_per_event = n ? static_cast<double>(ns) / static_cast<double>(n) : 0.0;
+  return r;
+}
+
+}  // namespace pymemplan

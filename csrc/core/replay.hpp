@@ -1,0 +1,32 @@
+// Replays an allocation trace through an allocator and measures what it reserved.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "allocator.hpp"
+
+namespace pymemplan {
+
+// Trace actions, as in pymemplan/traces/trace.py.
+enum TraceAction : std::uint8_t { kTraceAlloc = 0, kTraceFree = 1, kTraceAllocFailure = 2 };
+
+struct ReplayResult {
+  std::int64_t events = 0;
+  std::int64_t peak_live_bytes = 0;  // peak of the sum of requested sizes: the lower bound
+  std::int64_t peak_allocated_bytes = 0;
+  std::int64_t peak_reserved_bytes = 0;
+  std::int64_t device_allocs = 0;
+  std::int64_t device_frees = 0;
+  std::int64_t ooms = 0;         // requests refused at the device's capacity
+  double ns_per_event = 0.0;     // wall time of the replay loop per event
+};
+
+// Events are parallel arrays. A free names the ptr of an earlier alloc; frees of allocations
+// that failed with OOM are skipped (the program would have crashed; the replay continues to
+// show how far each policy gets). Throws AllocatorError naming the event index for a free of
+// a pointer that is not live or an unknown action.
+ReplayResult replay(CachingAllocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
+                    const std::int64_t* size, const std::int64_t* stream, std::size_t n);
+
+}  // namespace pymemplan

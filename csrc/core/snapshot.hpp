@@ -1,0 +1,31 @@
+// A picture of the allocator's segments and blocks in the shape of torch.cuda.memory._snapshot().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "device.hpp"
+
+namespace pymemplan {
+
+struct BlockInfo {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  std::size_t requested_size = 0;
+  // "active_allocated", "active_pending_free" (freed, waiting on events) or "inactive".
+  std::string state;
+};
+
+struct SegmentInfo {
+  std::uintptr_t address = 0;
+  std::size_t total_size = 0;
+  StreamId stream = 0;
+  std::string segment_type;  // "small" or "large"
+  std::size_t allocated_size = 0;
+  std::size_t active_size = 0;
+  std::size_t requested_size = 0;
+  std::vector<BlockInfo> blocks;  // in address order, covering the segment exactly
+};
+
+}  // namespace pymemplan

@@ -1,0 +1,139 @@
+#include "simulated_device.hpp"
+
+#include <string>
+
+#include "../core/errors.hpp"
+
+namespace pymemplan {
+
+namespace {
+// Addresses start where a CUDA device's usually do, so snapshots look familiar.
+constexpr std::uintptr_t kBaseAddress = std::uintptr_t{0x7f0000000000};
+}  // namespace
+
+SimulatedDevice::SimulatedDevice(std::size_t capacity, std::size_t granularity,
+                                 bool auto_complete)
+    : capacity_(capacity),
+      granularity_(granularity),
+      auto_complete_(auto_complete),
+      next_addr_(kBaseAddress) {
+  if (granularity_ == 0 || (granularity_ & (granularity_ - 1)) != 0 || granularity_ < 512) {
+    throw AllocatorError("simulated device: granularity " + std::to_string(granularity) +
+                         " must be a power of two of at least 512 bytes");
+  }
+  if (capacity_ == 0) throw AllocatorError("simulated device: capacity must be positive");
+}
+
+std::size_t SimulatedDevice::footprint(std::size_t bytes) const {
+  return (bytes + granularity_ - 1) / granularity_ * granularity_;
+}
+
+void* SimulatedDevice::allocate_segment(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes == 0) throw DeviceError("simulated device: allocation of 0 bytes");
+  if (fail_next_ > 0) {
+    --fail_next_;
+    return nullptr;
+  }
+  const std::size_t fp = footprint(bytes);
+  if (fp > capacity_ - used_) return nullptr;
+  // Virtual addresses are never reused: a stale pointer can never alias a newer segment.
+  const std::uintptr_t addr = next_addr_;
+  next_addr_ += fp;
+  used_ += fp;
+  segments_.emplace(addr, bytes);
+  return reinterpret_cast<void*>(addr);
+}
+
+void SimulatedDevice::free_segment(void* ptr, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = segments_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == segments_.end() || it->second != bytes) {
+    throw DeviceError("simulated device: free of " + std::to_string(bytes) +
+                      " bytes at an address that is not a live segment of that size");
+  }
+  used_ -= footprint(bytes);
+  segments_.erase(it);
+}
+
+SimulatedDevice::EventState& SimulatedDevice::event(EventHandle e, const char* what) {
+  auto it = events_.find(e);
+  if (it == events_.end()) {
+    throw DeviceError(std::string("simulated device: ") + what + " of an unknown event");
+  }
+  return it->second;
+}
+
+EventHandle SimulatedDevice::create_event() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  EventHandle e = next_event_++;
+  events_.emplace(e, EventState{});
+  return e;
+}
+
+void SimulatedDevice::destroy_event(EventHandle e) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  event(e, "destroy");
+  events_.erase(e);
+}
+
+void SimulatedDevice::record_event(EventHandle e, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  EventState& s = event(e, "record");
+  s.recorded = true;
+  s.complete = false;
+  s.stream = stream;
+}
+
+bool SimulatedDevice::query_event(EventHandle e) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  EventState& s = event(e, "query");
+  if (auto_complete_) s.complete = true;
+  return s.complete;
+}
+
+void SimulatedDevice::synchronize_event(EventHandle e) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  event(e, "synchronize").complete = true;  // waiting on it lets the stream get there
+}
+
+void SimulatedDevice::set_auto_complete(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto_complete_ = on;
+}
+
+void SimulatedDevice::complete_events(StreamId stream, bool all_streams) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [e, s] : events_) {
+    if (all_streams || s.stream == stream) s.complete = true;
+  }
+}
+
+void SimulatedDevice::fail_next_allocations(int n) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  fail_next_ = n;
+}
+
+std::size_t SimulatedDevice::used() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return used_;
+}
+
+std::size_t SimulatedDevice::live_segments() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return segments_.size();
+}
+
+std::size_t SimulatedDevice::pending_events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t n = 0;
+  for (const auto& [e, s] : events_) n += s.recorded && !s.complete;
+  return n;
+}
+
+std::size_t SimulatedDevice::live_events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return events_.size();
+}
+
+}  // namespace pymemplan

@@ -1,0 +1,64 @@
+// A device with an address space and a capacity but no memory behind it: an 80 GiB GPU
+// costs a few kilobytes of bookkeeping. Events complete when the caller says so.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "../core/device.hpp"
+
+namespace pymemplan {
+
+class SimulatedDevice : public Device {
+ public:
+  // auto_complete: events complete as soon as they are queried (an idle GPU); otherwise they
+  // stay pending until complete_events() or a synchronize.
+  explicit SimulatedDevice(std::size_t capacity, std::size_t granularity = 2 << 20,
+                           bool auto_complete = true);
+
+  std::size_t capacity() const override { return capacity_; }
+  std::size_t granularity() const override { return granularity_; }
+  void* allocate_segment(std::size_t bytes) override;
+  void free_segment(void* ptr, std::size_t bytes) override;
+  EventHandle create_event() override;
+  void destroy_event(EventHandle event) override;
+  void record_event(EventHandle event, StreamId stream) override;
+  bool query_event(EventHandle event) override;
+  void synchronize_event(EventHandle event) override;
+
+  // Test controls.
+  void set_auto_complete(bool on);
+  // Completes every recorded event on `stream` (all streams when all_streams is true).
+  void complete_events(StreamId stream, bool all_streams = false);
+  // The next `n` segment allocations fail as if the device were full.
+  void fail_next_allocations(int n);
+  std::size_t used() const;            // bytes in live segments (with granularity)
+  std::size_t live_segments() const;
+  std::size_t pending_events() const;  // recorded and not complete
+  std::size_t live_events() const;     // created and not destroyed
+
+ private:
+  struct EventState {
+    bool recorded = false;
+    bool complete = true;
+    StreamId stream = 0;
+  };
+  std::size_t footprint(std::size_t bytes) const;
+  EventState& event(EventHandle e, const char* what);
+
+  const std::size_t capacity_;
+  const std::size_t granularity_;
+  bool auto_complete_;
+  mutable std::mutex mutex_;
+  std::uintptr_t next_addr_;
+  std::size_t used_ = 0;
+  int fail_next_ = 0;
+  std::unordered_map<std::uintptr_t, std::size_t> segments_;
+  std::unordered_map<EventHandle, EventState> events_;
+  EventHandle next_event_ = 1;
+};
+
+}  // namespace pymemplan

@@ -1,0 +1,190 @@
+// pymemplan._core: the allocator policies over a simulated device, and trace replay.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "../core/allocator.hpp"
+#include "../core/errors.hpp"
+#include "../core/replay.hpp"
+#include "../devices/simulated_device.hpp"
+
+namespace py = pybind11;
+using namespace pymemplan;
+
+namespace {
+
+py::dict stats_dict(const Stats& s) {
+  py::dict d;
+  for (const auto& [k, v] : s.items()) d[py::str(k)] = v;
+  return d;
+}
+
+py::dict snapshot_dict(const std::vector<SegmentInfo>& segments, StreamId) {
+  py::list segs;
+  for (const auto& s : segments) {
+    py::list blocks;
+    for (const auto& b : s.blocks) {
+      py::dict bd;
+      bd["address"] = b.address;
+      bd["size"] = b.size;
+      bd["requested_size"] = b.requested_size;
+      bd["state"] = b.state;
+      bd["frames"] = py::list();
+      blocks.append(bd);
+    }
+    py::dict sd;
+    sd["device"] = 0;
+    sd["address"] = s.address;
+    sd["total_size"] = s.total_size;
+    sd["allocated_size"] = s.allocated_size;
+    sd["active_size"] = s.active_size;
+    sd["requested_size"] = s.requested_size;
+    sd["stream"] = s.stream;
+    sd["segment_type"] = s.segment_type;
+    sd["segment_pool_id"] = py::make_tuple(0, 0);
+    sd["is_expandable"] = false;
+    sd["frames"] = py::list();
+    sd["blocks"] = blocks;
+    segs.append(sd);
+  }
+  py::dict snap;
+  snap["segments"] = segs;
+  py::list traces;
+  traces.append(py::list());
+  snap["device_traces"] = traces;
+  return snap;
+}
+
+// A Python-facing allocator owns its device through a shared_ptr, so the device outlives it.
+std::unique_ptr<CachingAllocator> make_allocator(std::shared_ptr<SimulatedDevice> device,
+                                                 const std::string& policy,
+                                                 const std::string& config) {
+  return std::make_unique<CachingAllocator>(device, PolicyConfig::parse(policy, config));
+}
+
+template <typename T>
+using carray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "pymemplan's C++ allocator core over a simulated device";
+
+  // Python-side exception types; C++ exceptions are translated at this boundary.
+  static py::exception<AllocatorError> alloc_err(m, "AllocatorError", PyExc_ValueError);
+  static py::exception<OutOfMemoryError> oom_err(m, "OutOfMemoryError", PyExc_RuntimeError);
+  static py::exception<DeviceError> dev_err(m, "DeviceError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const AllocatorError& e) {
+      py::set_error(alloc_err, e.what());
+    } catch (const OutOfMemoryError& e) {
+      py::set_error(oom_err, e.what());
+    } catch (const DeviceError& e) {
+      py::set_error(dev_err, e.what());
+    }
+  });
+
+  m.attr("POLICIES") = PolicyConfig::policy_names();
+  m.def("format_bytes", &format_bytes);
+  m.def(
+      "parse_config",
+      [](const std::string& policy, const std::string& config) {
+        return PolicyConfig::parse(policy, config).to_string();
+      },
+      py::arg("policy"), py::arg("config") = "",
+      "Validate a policy and config string; returns the full effective config.");
+
+  py::class_<SimulatedDevice, std::shared_ptr<SimulatedDevice>>(m, "SimulatedDevice")
+      .def(py::init<std::size_t, std::size_t, bool>(), py::arg("capacity"),
+           py::arg("granularity") = 2 << 20, py::arg("auto_complete_events") = true)
+      .def_property_readonly("capacity", &SimulatedDevice::capacity)
+      .def_property_readonly("granularity", &SimulatedDevice::granularity)
+      .def_property_readonly("used", &SimulatedDevice::used)
+      .def_property_readonly("live_segments", &SimulatedDevice::live_segments)
+      .def_property_readonly("pending_events", &SimulatedDevice::pending_events)
+      .def_property_readonly("live_events", &SimulatedDevice::live_events)
+      .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
+      .def(
+          "complete_events",
+          [](SimulatedDevice& d, py::object stream) {
+            if (stream.is_none()) {
+              d.complete_events(0, true);
+            } else {
+              d.complete_events(stream.cast<StreamId>(), false);
+            }
+          },
+          py::arg("stream") = py::none(),
+          "Complete the recorded events of one stream, or of all streams.")
+      .def("fail_next_allocations", &SimulatedDevice::fail_next_allocations, py::arg("n"));
+
+  py::class_<CachingAllocator>(m, "Allocator")
+      .def(py::init(&make_allocator), py::arg("device"), py::arg("policy") = "pymemplan",
+           py::arg("config") = "", py::keep_alive<1, 2>())
+      .def(
+          "malloc",
+          [](CachingAllocator& a, std::int64_t size, StreamId stream) {
+            return reinterpret_cast<std::uintptr_t>(a.malloc(size, stream));
+          },
+          py::arg("size"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "free", [](CachingAllocator& a, std::uintptr_t p) { a.free(reinterpret_cast<void*>(p)); },
+          py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "record_stream",
+          [](CachingAllocator& a, std::uintptr_t p, StreamId s) {
+            a.record_stream(reinterpret_cast<void*>(p), s);
+          },
+          py::arg("ptr"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("empty_cache", &CachingAllocator::empty_cache, py::call_guard<py::gil_scoped_release>())
+      .def("set_memory_limit", &CachingAllocator::set_memory_limit, py::arg("bytes"))
+      .def("set_memory_fraction", &CachingAllocator::set_memory_fraction, py::arg("fraction"))
+      .def_property_readonly("memory_limit", &CachingAllocator::memory_limit)
+      .def("stats", [](const CachingAllocator& a) { return stats_dict(a.stats()); })
+      .def("reset_peak_stats", &CachingAllocator::reset_peak_stats)
+      .def("reset_accumulated_stats", &CachingAllocator::reset_accumulated_stats)
+      .def("snapshot", [](const CachingAllocator& a) { return snapshot_dict(a.snapshot(), 0); })
+      .def("round_size", &CachingAllocator::round_size, py::arg("size"))
+      .def_property_readonly("last_error", &CachingAllocator::last_error)
+      .def_property_readonly("policy",
+                             [](const CachingAllocator& a) { return a.config().policy_name(); })
+      .def_property_readonly("config",
+                             [](const CachingAllocator& a) { return a.config().to_string(); });
+
+  m.def(
+      "replay",
+      [](carray<std::uint8_t> action, carray<std::int64_t> ptr, carray<std::int64_t> size,
+         carray<std::int64_t> stream, const std::string& policy, const std::string& config,
+         std::size_t capacity, std::size_t granularity) {
+        const auto n = static_cast<std::size_t>(action.size());
+        if (static_cast<std::size_t>(ptr.size()) != n || static_cast<std::size_t>(size.size()) != n ||
+            static_cast<std::size_t>(stream.size()) != n) {
+          throw AllocatorError("replay: the trace columns differ in length");
+        }
+        auto device = std::make_shared<SimulatedDevice>(capacity, granularity, true);
+        CachingAllocator alloc(device, PolicyConfig::parse(policy, config));
+        ReplayResult r;
+        {
+          py::gil_scoped_release release;
+          r = replay(alloc, action.data(), ptr.data(), size.data(), stream.data(), n);
+        }
+        py::dict d;
+        d["events"] = r.events;
+        d["peak_live_bytes"] = r.peak_live_bytes;
+        d["peak_allocated_bytes"] = r.peak_allocated_bytes;
+        d["peak_reserved_bytes"] = r.peak_reserved_bytes;
+        d["device_allocs"] = r.device_allocs;
+        d["device_frees"] = r.device_frees;
+        d["ooms"] = r.ooms;
+        d["ns_per_event"] = r.ns_per_event;
+        return d;
+      },
+      py::arg("action"), py::arg("ptr"), py::arg("size"), py::arg("stream"),
+      py::arg("policy") = "pymemplan", py::arg("config") = "",
+      py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = 2 << 20,
+      "Replay a trace (parallel arrays) through a policy on a fresh simulated device.");
+}
