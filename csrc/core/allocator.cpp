@@ -445,19 +445,30 @@ void CachingAllocator::free_block(Block* b) {
     release_segment(b);
     return;
   }
-  // Coalesce with free address-neighbours of the same owner: merging with another stream's
-  // block would let this stream reuse memory that stream may still be using.
-  if (b->prev != nullptr && b->prev->is_free() && b->prev->stream == b->stream) {
+  insert_free(coalesce(b));
+}
+
+Block* CachingAllocator::coalesce(Block* b) {
+  // `b` is free and listed nowhere. It absorbs free neighbours that its owner may use: those
+  // of the same owner, and shared ones (kAnyStream). Merging with another stream's block
+  // would let one stream reuse memory the other may still be using.
+  Pool& pool = b->segment->small ? small_ : large_;
+  auto joinable = [&](Block* n) {
+    return n != nullptr && n->is_free() && (n->stream == b->stream || n->stream == kAnyStream) &&
+           pool.free.count(n) != 0;
+  };
+  if (joinable(b->prev)) {
     Block* prev = b->prev;
     erase_free(prev);
+    prev->stream = b->stream;
     b = merge(prev, b);
   }
-  if (b->next != nullptr && b->next->is_free() && b->next->stream == b->stream) {
+  if (joinable(b->next)) {
     Block* next = b->next;
     erase_free(next);
     b = merge(b, next);
   }
-  insert_free(b);
+  return b;
 }
 
 Block* CachingAllocator::merge(Block* first, Block* second) {
@@ -508,7 +519,24 @@ void CachingAllocator::release_segment(Block* b) {
   delete_block(b);
 }
 
+void CachingAllocator::collapse_free_segments() {
+  // Free neighbours owned by different streams are kept apart so neither stream reuses the
+  // other's memory early. A segment made only of such blocks can still go back to the
+  // device as a whole: freeing a segment waits for all work on it.
+  for (auto& [addr, seg] : segments_) {
+    Block* head = seg->head;
+    if (head->next == nullptr) continue;
+    bool all_free = true;
+    for (Block* b = head; b != nullptr && all_free; b = b->next) all_free = b->is_free();
+    if (!all_free) continue;
+    for (Block* b = head; b != nullptr; b = b->next) erase_free(b);
+    while (head->next != nullptr) merge(head, head->next);
+    insert_free(head);
+  }
+}
+
 std::size_t CachingAllocator::release_cached(std::size_t needed) {
+  if (needed == kNoLimit) collapse_free_segments();
   std::size_t released = 0;
   while (released < needed && !unused_segments_.empty()) {
     Block* b = *unused_segments_.begin();  // the largest
@@ -630,21 +658,8 @@ void CachingAllocator::share_blocks_of(StreamId owner, std::uint64_t up_to_seq) 
       b->stream = kAnyStream;
     }
     for (Block* b : blocks) {
-      // Neighbours shared in this same pass may already have absorbed `b`.
-      if (b->segment == nullptr) continue;
-      if (b->prev != nullptr && b->prev->is_free() && b->prev->stream == kAnyStream &&
-          pool->free.count(b->prev)) {
-        Block* prev = b->prev;
-        erase_free(prev);
-        b = merge(prev, b);
-      }
-      if (b->next != nullptr && b->next->is_free() && b->next->stream == kAnyStream &&
-          pool->free.count(b->next)) {
-        Block* next = b->next;
-        erase_free(next);
-        b = merge(b, next);
-      }
-      insert_free(b);
+      if (b->segment == nullptr) continue;  // absorbed by a neighbour shared in this pass
+      insert_free(coalesce(b));
     }
   }
 }

@@ -96,7 +96,8 @@ class CachingAllocator {
   Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
   Block* take(Block* block, std::size_t rounded, std::size_t requested, StreamId stream);
   void free_block(Block* block);
-  Block* merge(Block* into, Block* other);
+  Block* merge(Block* first, Block* second);
+  Block* coalesce(Block* block);
 
   void insert_free(Block* block);
   void erase_free(Block* block);
@@ -104,6 +105,7 @@ class CachingAllocator {
   // Release wholly free segments, largest first, until `needed` bytes are released (or all
   // of them with needed == SIZE_MAX). Returns bytes released.
   std::size_t release_cached(std::size_t needed);
+  void collapse_free_segments();
   bool release_oversize_for(Pool& pool, std::size_t rounded, StreamId stream);
 
   void process_events();

@@ -83,18 +83,27 @@ void SimulatedDevice::record_event(EventHandle e, StreamId stream) {
   s.recorded = true;
   s.complete = false;
   s.stream = stream;
+  s.seq = ++record_seq_;
+}
+
+void SimulatedDevice::mark_complete(EventState& s) {
+  if (!s.complete && s.recorded) {
+    std::uint64_t& through = done_through_[s.stream];
+    if (s.seq > through) through = s.seq;
+  }
+  s.complete = true;
 }
 
 bool SimulatedDevice::query_event(EventHandle e) {
   std::lock_guard<std::mutex> lock(mutex_);
   EventState& s = event(e, "query");
-  if (auto_complete_) s.complete = true;
+  if (auto_complete_) mark_complete(s);
   return s.complete;
 }
 
 void SimulatedDevice::synchronize_event(EventHandle e) {
   std::lock_guard<std::mutex> lock(mutex_);
-  event(e, "synchronize").complete = true;  // waiting on it lets the stream get there
+  mark_complete(event(e, "synchronize"));  // waiting on it lets the stream get there
 }
 
 void SimulatedDevice::set_auto_complete(bool on) {
@@ -105,7 +114,7 @@ void SimulatedDevice::set_auto_complete(bool on) {
 void SimulatedDevice::complete_events(StreamId stream, bool all_streams) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [e, s] : events_) {
-    if (all_streams || s.stream == stream) s.complete = true;
+    if (all_streams || s.stream == stream) mark_complete(s);
   }
 }
 
@@ -134,6 +143,21 @@ std::size_t SimulatedDevice::pending_events() const {
 std::size_t SimulatedDevice::live_events() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return events_.size();
+}
+
+}  // namespace pymemplan
+
+namespace pymemplan {
+
+std::uint64_t SimulatedDevice::record_count() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return record_seq_;
+}
+
+std::uint64_t SimulatedDevice::completed_through(StreamId stream) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = done_through_.find(stream);
+  return it == done_through_.end() ? 0 : it->second;
 }
 
 }  // namespace pymemplan

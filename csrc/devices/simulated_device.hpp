@@ -39,13 +39,20 @@ class SimulatedDevice : public Device {
   std::size_t live_segments() const;
   std::size_t pending_events() const;  // recorded and not complete
   std::size_t live_events() const;     // created and not destroyed
+  // Every record_event gets the next number; completed_through(s) is the highest number of a
+  // completed event recorded on stream s (0 if none). Streams run in order, so work queued on
+  // s before record number n is done once completed_through(s) >= n.
+  std::uint64_t record_count() const;
+  std::uint64_t completed_through(StreamId stream) const;
 
  private:
   struct EventState {
     bool recorded = false;
     bool complete = true;
     StreamId stream = 0;
+    std::uint64_t seq = 0;
   };
+  void mark_complete(EventState& s);
   std::size_t footprint(std::size_t bytes) const;
   EventState& event(EventHandle e, const char* what);
 
@@ -59,6 +66,8 @@ class SimulatedDevice : public Device {
   std::unordered_map<std::uintptr_t, std::size_t> segments_;
   std::unordered_map<EventHandle, EventState> events_;
   EventHandle next_event_ = 1;
+  std::uint64_t record_seq_ = 0;
+  std::unordered_map<StreamId, std::uint64_t> done_through_;
 };
 
 }  // namespace pymemplan

@@ -108,6 +108,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("live_segments", &SimulatedDevice::live_segments)
       .def_property_readonly("pending_events", &SimulatedDevice::pending_events)
       .def_property_readonly("live_events", &SimulatedDevice::live_events)
+      .def_property_readonly("record_count", &SimulatedDevice::record_count)
+      .def("completed_through", &SimulatedDevice::completed_through, py::arg("stream"))
       .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
       .def(
           "complete_events",

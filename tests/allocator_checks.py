@@ -1,0 +1,67 @@
+"""Invariants every allocator state must satisfy, recomputed from a snapshot."""
+
+from __future__ import annotations
+
+MiB = 1 << 20
+POOLS = ("all", "small_pool", "large_pool")
+
+
+def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> None:
+    """`live` maps each pointer the caller holds to the size it asked for."""
+    snap = alloc.snapshot()
+    stats = alloc.stats()
+    segments = sorted(snap["segments"], key=lambda s: s["address"])
+    recount = {f"{k}.{p}": 0 for p in POOLS for k in (
+        "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+        "requested_bytes", "allocation", "segment", "active", "inactive_split")}
+    allocated_blocks = {}
+    prev_end = 0
+    for seg in segments:
+        pool = "small_pool" if seg["segment_type"] == "small" else "large_pool"
+        # Segments never overlap one another.
+        assert seg["address"] >= prev_end, "segments overlap"
+        prev_end = seg["address"] + seg["total_size"]
+        # Blocks tile their segment exactly, in address order.
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            assert b["address"] == addr, "blocks do not tile their segment"
+            assert b["size"] > 0 and b["size"] % 512 == 0, f"block size {b['size']} not a multiple of 512"
+            assert b["address"] % 512 == 0, "block not 512-byte aligned"
+            addr += b["size"]
+        assert addr == seg["address"] + seg["total_size"], "blocks do not cover their segment"
+        split = len(seg["blocks"]) > 1
+        for b in seg["blocks"]:
+            for p in ("all", pool):
+                if b["state"] == "active_allocated":
+                    recount[f"allocated_bytes.{p}"] += b["size"]
+                    recount[f"allocation.{p}"] += 1
+                    recount[f"requested_bytes.{p}"] += b["requested_size"]
+                if b["state"] in ("active_allocated", "active_pending_free"):
+                    recount[f"active_bytes.{p}"] += b["size"]
+                    recount[f"active.{p}"] += 1
+                if b["state"] == "inactive" and split:
+                    recount[f"inactive_split_bytes.{p}"] += b["size"]
+                    recount[f"inactive_split.{p}"] += 1
+            if b["state"] == "active_allocated":
+                allocated_blocks[b["address"]] = b
+        # Two free neighbours of the same owner would have been coalesced; we cannot see
+        # owners in the snapshot, so only the allocated/free tiling is checked here.
+        for p in ("all", pool):
+            recount[f"reserved_bytes.{p}"] += seg["total_size"]
+            recount[f"segment.{p}"] += 1
+        assert seg["allocated_size"] == sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    for key, value in recount.items():
+        assert stats[f"{key}.current"] == value, f"{key}.current = {stats[f'{key}.current']}, recount {value}"
+        assert stats[f"{key}.peak"] >= value
+    # Exactly the caller's live pointers are allocated, each big enough for its request.
+    assert set(allocated_blocks) == set(live), "allocated blocks differ from live pointers"
+    for ptr, size in live.items():
+        b = allocated_blocks[ptr]
+        assert b["requested_size"] == size
+        assert b["size"] >= size
+    reserved = stats["reserved_bytes.all.current"]
+    if limit:
+        assert reserved <= limit, f"reserved {reserved} exceeds the limit {limit}"
+    assert device.live_segments == len(segments)
+    assert device.used >= reserved
+    assert stats["num_device_alloc"] - stats["num_device_free"] == len(segments)

@@ -1,0 +1,421 @@
+"""The allocator core through pymemplan._core: rules, streams, OOM ladder, limits, stats,
+snapshots and bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pymemplan import _core
+from allocator_checks import MiB, check_invariants
+
+GiB = 1 << 30
+
+
+def make(policy="pymemplan", config="", capacity=GiB, auto=True):
+    dev = _core.SimulatedDevice(capacity, auto_complete_events=auto)
+    return dev, _core.Allocator(dev, policy, config)
+
+
+def segments(alloc):
+    return sorted((s["total_size"], s["segment_type"]) for s in alloc.snapshot()["segments"])
+
+
+def block_of(alloc, ptr):
+    for s in alloc.snapshot()["segments"]:
+        for b in s["blocks"]:
+            if b["address"] == ptr:
+                return b
+    raise AssertionError("no block at pointer")
+
+
+# --- The torch policy reproduces hand-computed segments (c10/cuda/CUDACachingAllocator.cpp) ---
+
+def test_torch_rounds_to_512_and_packs_small_requests_in_2mib_segments():
+    _, a = make("torch")
+    assert [a.round_size(n) for n in (1, 511, 512, 513, 1025)] == [512, 512, 512, 1024, 1536]
+    p = a.malloc(1000)
+    q = a.malloc(1000)
+    assert q == p + 1024  # best fit takes the split remainder of the same segment
+    assert segments(a) == [(2 * MiB, "small")]
+    assert a.stats()["allocated_bytes.all.current"] == 2048
+    assert a.stats()["requested_bytes.all.current"] == 2000
+
+
+def test_torch_requests_between_1_and_10_mib_share_a_20_mib_segment():
+    _, a = make("torch")
+    a.malloc(int(1.5 * MiB))
+    a.malloc(5 * MiB)
+    a.malloc(9 * MiB)
+    assert segments(a) == [(20 * MiB, "large")]
+    a.malloc(5 * MiB)  # 4.5 MiB left: a second 20 MiB segment
+    assert segments(a) == [(20 * MiB, "large"), (20 * MiB, "large")]
+
+
+def test_torch_large_requests_round_to_2_mib_and_split_only_remainders_over_1_mib():
+    _, a = make("torch")
+    p = a.malloc(12 * MiB + 1)           # rounded 12 MiB + 512 -> 14 MiB segment
+    assert segments(a) == [(14 * MiB, "large")]
+    assert block_of(a, p)["size"] == 12 * MiB + 512  # remainder 2 MiB - 512 > 1 MiB: split
+    _, a = make("torch")
+    p = a.malloc(int(19.5 * MiB))        # 20 MiB segment, remainder 0.5 MiB <= 1 MiB
+    assert segments(a) == [(20 * MiB, "large")]
+    assert block_of(a, p)["size"] == 20 * MiB  # not split: the whole block is allocated
+    assert a.stats()["allocated_bytes.all.current"] == 20 * MiB
+
+
+def test_torch_reuses_best_fit_and_coalesces_neighbours():
+    _, a = make("torch")
+    p1, p2, p3 = (a.malloc(4 * MiB) for _ in range(3))
+    assert p2 == p1 + 4 * MiB and p3 == p2 + 4 * MiB
+    a.free(p1)
+    a.free(p3)  # merges with the free tail of the segment
+    snap = a.snapshot()["segments"][0]
+    assert [b["size"] for b in snap["blocks"]] == [4 * MiB, 4 * MiB, 12 * MiB]
+    assert a.malloc(3 * MiB) == p1  # best fit: the 4 MiB hole, not the 12 MiB tail
+    a.free(p2)
+    snap = a.snapshot()["segments"][0]
+    assert [b["state"] for b in snap["blocks"]] == ["active_allocated", "inactive"]
+
+
+def test_torch_max_split_size_rules():
+    _, a = make("torch", "max_split_size_mb:32")
+    p = a.malloc(40 * MiB)
+    a.free(p)
+    q = a.malloc(8 * MiB)  # below max_split_size: an oversize block is not used
+    assert q != p and segments(a) == [(20 * MiB, "large"), (40 * MiB, "large")]
+    r = a.malloc(35 * MiB)  # oversize request, waste 5 MiB < 20 MiB: reuses, unsplit
+    assert r == p and block_of(a, r)["size"] == 40 * MiB
+    a.free(r)
+    big = a.malloc(80 * MiB)
+    a.free(big)
+    s = a.malloc(33 * MiB)  # the 40 MiB block fits; 80 MiB would waste >= 20 MiB
+    assert s == p
+    t = a.malloc(33 * MiB)  # 80 MiB block wastes 47 MiB: rejected, new 34 MiB segment
+    assert t != big
+    st = a.stats()
+    assert st["oversize_segments.current"] == 3
+    assert st["max_split_size"] == 32 * MiB
+
+
+def test_torch_roundup_power2_divisions():
+    _, a = make("torch", "roundup_power2_divisions:4")
+    # [1 MiB, 2 MiB) is cut into 4 steps of 256 KiB.
+    assert a.round_size(MiB + 1) == MiB + 256 * 1024
+    assert a.round_size(int(1.3 * MiB)) == int(1.5 * MiB)
+    assert a.round_size(2 * MiB) == 2 * MiB
+    assert a.round_size(1000) == 1024  # below 512 B * divisions: plain 512 B rounding
+
+
+def test_torch_never_reuses_across_streams():
+    _, a = make("torch")
+    p = a.malloc(4 * MiB, stream=1)
+    a.free(p)
+    q = a.malloc(4 * MiB, stream=2)
+    assert not (p <= q < p + 20 * MiB)
+    assert a.stats()["segment.all.current"] == 2
+
+
+def test_torch_oom_ladder_releases_cache_and_retries():
+    dev, a = make("torch", capacity=64 * MiB)
+    ps = [a.malloc(12 * MiB) for _ in range(4)]  # four 12 MiB segments: 48 MiB
+    for p in ps[:3]:
+        a.free(p)
+    big = a.malloc(40 * MiB)  # only 16 MiB left: release cached segments, retry
+    st = a.stats()
+    assert st["num_alloc_retries"] == 1 and st["num_device_free"] == 3 and st["num_ooms"] == 0
+    check_invariants(a, dev, {ps[3]: 12 * MiB, big: 40 * MiB})
+
+
+# --- Our policy ---
+
+def test_ours_sizes_large_segments_exactly_and_keeps_the_tail_free():
+    _, a = make("pymemplan")
+    p = a.malloc(3 * MiB + 100)
+    assert segments(a) == [(4 * MiB, "large")]
+    assert block_of(a, p)["size"] == 3 * MiB + 512
+    q = a.malloc(int(1.2 * MiB))  # does not fit the 1 MiB - 512 tail
+    assert segments(a) == [(2 * MiB, "large"), (4 * MiB, "large")]
+    a.free(q)
+    r = a.malloc(MiB + 4096)  # fits the freed 2 MiB segment
+    assert r == q
+
+
+def test_ours_releases_cache_before_raising_the_peak():
+    for policy, expected_peak in (("pymemplan", 12 * MiB), ("torch", 22 * MiB)):
+        _, a = make(policy)
+        p = a.malloc(10 * MiB)
+        a.free(p)
+        a.malloc(12 * MiB)
+        assert a.stats()["reserved_bytes.all.peak"] == expected_peak, policy
+
+
+def test_ours_reuses_across_streams_only_after_the_owner_completes():
+    # (release_before_grow off: it would return p's idle segment to the device instead)
+    dev, a = make("pymemplan", "release_before_grow:False", auto=False)
+    p = a.malloc(4 * MiB, stream=1)
+    a.free(p)
+    q = a.malloc(4 * MiB, stream=2)  # stream 1's work may still touch p: new memory
+    assert q != p
+    dev.complete_events(1)
+    r = a.malloc(4 * MiB, stream=2)  # the drain event recorded on stream 1 has completed
+    assert r == p
+
+
+def test_record_stream_delays_reuse_until_the_other_stream_is_done():
+    for policy in ("pymemplan", "torch"):
+        dev, a = make(policy, auto=False)
+        p = a.malloc(MiB, stream=0)
+        a.record_stream(p, 5)
+        a.free(p)
+        assert block_of(a, p)["state"] == "active_pending_free"
+        st = a.stats()
+        assert st["allocated_bytes.all.current"] == 0 and st["active_bytes.all.current"] == MiB
+        q = a.malloc(MiB, stream=0)
+        assert q != p, policy
+        dev.complete_events(5)
+        r = a.malloc(MiB, stream=0)
+        assert r == p, policy
+        a.free(q)
+        a.free(r)
+        a.empty_cache()
+        assert a.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_empty_cache_waits_for_pending_frees_and_returns_everything():
+    dev, a = make("pymemplan", auto=False)
+    ps = [a.malloc(n, stream=s) for n, s in ((100, 0), (3 * MiB, 1), (50 * MiB, 2))]
+    a.record_stream(ps[0], 7)
+    for p in ps:
+        a.free(p)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    assert dev.used == 0 and dev.pending_events == 0
+
+
+def test_nocache_allocates_and_frees_per_request():
+    dev, a = make("nocache")
+    p = a.malloc(1000)
+    q = a.malloc(1000)
+    assert a.stats()["num_device_alloc"] == 2 and a.stats()["reserved_bytes.all.current"] == 2048
+    a.free(p)
+    a.free(q)
+    assert a.stats()["num_device_free"] == 2 and dev.used == 0
+
+
+# --- Limits and OOM ---
+
+def test_memory_limit_and_fraction():
+    dev, a = make("pymemplan", capacity=GiB)
+    a.set_memory_fraction(0.25)
+    assert a.memory_limit == GiB // 4
+    p = a.malloc(200 * MiB)
+    with pytest.raises(_core.OutOfMemoryError, match="exceed the memory limit"):
+        a.malloc(100 * MiB)
+    a.set_memory_limit(0)
+    q = a.malloc(100 * MiB)
+    check_invariants(a, dev, {p: 200 * MiB, q: 100 * MiB})
+    with pytest.raises(_core.AllocatorError, match="fraction"):
+        a.set_memory_fraction(1.5)
+
+
+def test_oom_message_reports_sizes_and_leaves_state_intact():
+    dev, a = make("pymemplan", capacity=64 * MiB)
+    ps = [a.malloc(6 * MiB) for _ in range(10)]  # 60 MiB
+    for p in ps[::2]:
+        a.free(p)  # 30 MiB free, in 6 MiB pieces
+    live = {p: 6 * MiB for p in ps[1::2]}
+    before = a.stats()
+    with pytest.raises(_core.OutOfMemoryError) as e:
+        a.malloc(40 * MiB)  # the ladder releases the 30 MiB cached; 34 MiB is not enough
+    msg = str(e.value)
+    for needle in ("tried to allocate 40.00 MiB", "Allocated 30.00 MiB", "reserved 30.00 MiB",
+                   "largest free block is 0 B", "capacity 64.00 MiB"):
+        assert needle in msg, (needle, msg)
+    st = a.stats()
+    assert st["num_ooms"] == before["num_ooms"] + 1
+    check_invariants(a, dev, live)
+    # and it still works
+    q = a.malloc(6 * MiB)
+    live[q] = 6 * MiB
+    check_invariants(a, dev, live)
+
+
+def test_oom_message_names_fragmentation_when_free_blocks_are_too_small():
+    dev, a = make("torch", capacity=40 * MiB)
+    ps = [a.malloc(4 * MiB) for _ in range(10)]  # two 20 MiB segments, fully used
+    for p in ps[::2]:
+        a.free(p)  # 20 MiB free in 4 MiB holes, no whole segment to release
+    with pytest.raises(_core.OutOfMemoryError, match="fragmented"):
+        a.malloc(8 * MiB)
+
+
+def test_request_larger_than_the_limit():
+    dev, a = make("pymemplan", capacity=GiB)
+    a.set_memory_limit(100 * MiB)
+    with pytest.raises(_core.OutOfMemoryError, match="request alone exceeds the memory limit"):
+        a.malloc(101 * MiB)
+    assert a.stats()["num_ooms"] == 1
+    p = a.malloc(MiB)
+    check_invariants(a, dev, {p: MiB})
+
+
+def test_device_failure_injection_runs_the_retry_rung():
+    dev, a = make("pymemplan")
+    p = a.malloc(8 * MiB)
+    a.free(p)
+    dev.fail_next_allocations(1)
+    q = a.malloc(16 * MiB)  # first attempt fails, cache released, retry succeeds
+    st = a.stats()
+    assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0
+    check_invariants(a, dev, {q: 16 * MiB})
+
+
+# --- Bad input: a clear error, and the allocator still works ---
+
+@pytest.mark.parametrize("policy", ["pymemplan", "torch", "nocache"])
+def test_bad_input_is_rejected_and_leaves_the_allocator_intact(policy):
+    dev, a = make(policy)
+    p = a.malloc(3 * MiB)
+    live = {p: 3 * MiB}
+    with pytest.raises(_core.AllocatorError, match="invalid allocation size 0"):
+        a.malloc(0)
+    with pytest.raises(_core.AllocatorError, match="invalid allocation size -5"):
+        a.malloc(-5)
+    with pytest.raises(_core.AllocatorError, match="not allocated by this allocator"):
+        a.free(0x1234)
+    with pytest.raises(_core.AllocatorError, match="points inside a block"):
+        a.free(p + 512)
+    with pytest.raises(_core.AllocatorError, match="not allocated by this allocator"):
+        a.record_stream(0x1234, 1)
+    q = a.malloc(MiB)
+    a.free(q)
+    with pytest.raises(_core.AllocatorError, match="double free|not allocated"):
+        a.free(q)
+    check_invariants(a, dev, live)
+    r = a.malloc(MiB)
+    live[r] = MiB
+    check_invariants(a, dev, live)
+
+
+def test_double_free_of_a_block_waiting_on_events():
+    dev, a = make("pymemplan", auto=False)
+    p = a.malloc(MiB)
+    a.record_stream(p, 3)
+    a.free(p)
+    with pytest.raises(_core.AllocatorError, match="double free"):
+        a.free(p)
+
+
+@pytest.mark.parametrize("policy,config,match", [
+    ("tensorflow", "", "unknown allocator policy 'tensorflow'.*pymemplan, torch, nocache"),
+    ("torch", "max_split_size:128", "unknown key 'max_split_size'.*max_split_size_mb"),
+    ("torch", "max_split_size_mb:abc", "bad value 'abc' for 'max_split_size_mb'"),
+    ("torch", "max_split_size_mb:10", "expected an integer > 20"),
+    ("torch", "roundup_power2_divisions:3", "power of two"),
+    ("torch", "release_before_grow:True", "unknown key 'release_before_grow'"),
+    ("pymemplan", "release_before_grow:maybe", "True or False"),
+    ("pymemplan", "max_split_size_mb", "not of the form key:value"),
+    ("nocache", "max_split_size_mb:64", "valid keys: none"),
+])
+def test_bad_config_lists_what_is_valid(policy, config, match):
+    with pytest.raises(_core.AllocatorError, match=match):
+        make(policy, config)
+
+
+def test_config_round_trips():
+    assert _core.parse_config("torch", " max_split_size_mb : 64 ") .startswith("max_split_size_mb:64")
+    _, a = make("pymemplan", "cross_stream_reuse:False")
+    assert "cross_stream_reuse:False" in a.config and a.policy == "pymemplan"
+
+
+# --- Stats and snapshot ---
+
+TORCH_STAT_KEYS = {
+    f"{name}.{pool}.{metric}"
+    for name in ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                 "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+    for pool in ("all", "small_pool", "large_pool")
+    for metric in ("current", "peak", "allocated", "freed")
+} | {f"oversize_{k}.{m}" for k in ("allocations", "segments")
+     for m in ("current", "peak", "allocated", "freed")} | {
+    "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+    "num_device_free", "max_split_size"}
+
+
+def test_stats_have_torch_keys_and_meanings_and_peaks_reset():
+    _, a = make("pymemplan")
+    st = a.stats()
+    assert set(st) == TORCH_STAT_KEYS
+    p = a.malloc(100)
+    q = a.malloc(5 * MiB)
+    a.free(q)
+    st = a.stats()
+    assert st["allocated_bytes.all.peak"] == 512 + 5 * MiB
+    assert st["allocated_bytes.all.current"] == 512
+    assert st["allocated_bytes.large_pool.allocated"] == 5 * MiB
+    assert st["allocated_bytes.large_pool.freed"] == 5 * MiB
+    assert st["requested_bytes.small_pool.current"] == 100
+    assert st["allocation.all.allocated"] == 2 and st["allocation.all.current"] == 1
+    assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 2 * MiB + 6 * MiB
+    assert st["inactive_split_bytes.small_pool.current"] == 2 * MiB - 512
+    assert st["max_split_size"] == -1
+    a.reset_peak_stats()
+    assert a.stats()["allocated_bytes.all.peak"] == 512
+    a.reset_accumulated_stats()
+    assert a.stats()["allocation.all.allocated"] == 0
+    a.free(p)
+
+
+def test_snapshot_has_torch_shape():
+    _, a = make("pymemplan")
+    p = a.malloc(3000, stream=4)
+    snap = a.snapshot()
+    assert set(snap) >= {"segments", "device_traces"}
+    (seg,) = snap["segments"]
+    assert {"address", "total_size", "stream", "segment_type", "allocated_size", "active_size",
+            "requested_size", "blocks"} <= set(seg)
+    assert seg["stream"] == 4 and seg["segment_type"] == "small"
+    assert seg["blocks"][0] == {"address": p, "size": 3072, "requested_size": 3000,
+                                "state": "active_allocated", "frames": []}
+    assert seg["blocks"][1]["state"] == "inactive"
+
+
+# --- Threads ---
+
+@pytest.mark.parametrize("policy", ["pymemplan", "torch"])
+def test_many_threads_allocating_and_freeing(policy):
+    dev, a = make(policy, capacity=8 * GiB)
+    errors = []
+
+    def worker(seed):
+        import random
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(3000):
+                if mine and rng.random() < 0.5:
+                    a.free(mine.pop(rng.randrange(len(mine))))
+                else:
+                    size = rng.choice([rng.randint(1, 4096), rng.randint(1, 8 * MiB)])
+                    p = a.malloc(size, stream=seed % 3)
+                    if rng.random() < 0.1:
+                        a.record_stream(p, (seed + 1) % 3)
+                    mine.append(p)
+                if rng.random() < 0.01:
+                    a.empty_cache()
+            for p in mine:
+                a.free(p)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    check_invariants(a, dev, {})
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0 and dev.used == 0

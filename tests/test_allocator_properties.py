@@ -1,0 +1,123 @@
+"""Property-based tests: random alloc/free/record_stream/empty_cache sequences, every policy,
+invariants checked after every step; stream safety checked against an independent model."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
+from pymemplan import _core
+from allocator_checks import MiB, check_invariants
+
+POLICIES = [
+    ("pymemplan", ""),
+    ("torch", ""),
+    ("torch", "max_split_size_mb:24,roundup_power2_divisions:4"),
+    ("pymemplan", "max_split_size_mb:24"),
+    ("pymemplan", "release_before_grow:False,cross_stream_reuse:False"),
+    ("nocache", ""),
+]
+STREAMS = st.sampled_from([0, 1, 2])
+SIZES = st.one_of(
+    st.integers(1, 4096),
+    st.integers(4097, MiB),
+    st.integers(MiB + 1, 12 * MiB),
+    st.integers(12 * MiB, 40 * MiB),
+)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Events complete only when a rule says so, so that reuse before completion is caught."""
+
+    ptrs = Bundle("ptrs")
+
+    @initialize(policy=st.sampled_from(POLICIES), capacity_mib=st.sampled_from([64, 160, 1024]),
+                limit_mib=st.sampled_from([0, 0, 96]))
+    def start(self, policy, capacity_mib, limit_mib):
+        self.device = _core.SimulatedDevice(capacity_mib * MiB, auto_complete_events=False)
+        self.alloc = _core.Allocator(self.device, policy[0], policy[1])
+        self.limit = limit_mib * MiB
+        if self.limit:
+            self.alloc.set_memory_limit(self.limit)
+        self.live: dict[int, tuple[int, int, set]] = {}  # ptr -> (size, stream, record_stream uses)
+        # (lo, hi, owner stream, record_stream uses, device record count at the free)
+        self.freed = []
+
+    def _done_after(self, stream, t):
+        # Work queued on `stream` before the free is done once an event recorded after the
+        # free (number > t) has completed; the device counts records and completions.
+        return self.device.completed_through(stream) > t
+
+    @rule(target=ptrs, size=SIZES, stream=STREAMS)
+    def malloc(self, size, stream):
+        try:
+            p = self.alloc.malloc(size, stream)
+        except _core.OutOfMemoryError as e:
+            assert "out of memory" in str(e)
+            return None
+        lo, hi = p, p + size
+        # Stream safety: memory freed by another stream, or used by other streams through
+        # record_stream, is only handed out after that stream's work was seen to complete.
+        keep = []
+        for rec in self.freed:
+            flo, fhi, owner, uses, t = rec
+            if flo < hi and lo < fhi:
+                for u in uses:
+                    assert self._done_after(u, t), f"reused before record_stream on stream {u} completed"
+                if owner != stream:
+                    assert self._done_after(owner, t), (
+                        f"stream {stream} reused memory freed on stream {owner} before it completed")
+            else:
+                keep.append(rec)
+        self.freed = keep
+        self.live[p] = (size, stream, set())
+        return p
+
+    @rule(p=consumes(ptrs))
+    def free(self, p):
+        if p is None or p not in self.live:
+            return
+        size, stream, uses = self.live.pop(p)
+        t = self.device.record_count
+        self.alloc.free(p)
+        rounded = self.alloc.round_size(size)
+        self.freed.append((p, p + rounded, stream, uses, t))
+
+    @rule(p=ptrs, stream=STREAMS)
+    def record_stream(self, p, stream):
+        if p is None or p not in self.live:
+            return
+        self.alloc.record_stream(p, stream)
+        if stream != self.live[p][1]:
+            self.live[p][2].add(stream)
+
+    @rule(stream=st.one_of(st.none(), STREAMS))
+    def complete_events(self, stream):
+        self.device.complete_events(stream)
+
+    @rule()
+    def empty_cache(self):
+        self.alloc.empty_cache()
+        assert self.device.pending_events == 0, "empty_cache left events pending"
+
+    @invariant()
+    def consistent(self):
+        check_invariants(self.alloc, self.device, {p: v[0] for p, v in self.live.items()},
+                             self.limit)
+
+    def teardown(self):
+        for p in list(self.live):
+            self.alloc.free(p)
+        self.alloc.empty_cache()
+        stats = self.alloc.stats()
+        assert stats["reserved_bytes.all.current"] == 0
+        assert stats["allocated_bytes.all.current"] == 0
+        assert stats["active_bytes.all.current"] == 0
+        assert self.device.used == 0 and self.device.live_segments == 0
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=80, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestAllocatorMachine = AllocatorMachine.TestCase
