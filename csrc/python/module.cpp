@@ -10,6 +10,7 @@
 #include "../core/errors.hpp"
 #include "../core/replay.hpp"
 #include "../devices/simulated_device.hpp"
+#include "../testing/fuzz.hpp"
 
 namespace py = pybind11;
 using namespace pymemplan;
@@ -86,6 +87,8 @@ PYBIND11_MODULE(_core, m) {
       py::set_error(oom_err, e.what());
     } catch (const DeviceError& e) {
       py::set_error(dev_err, e.what());
+    } catch (const std::logic_error& e) {
+      py::set_error(PyExc_AssertionError, e.what());  // a fuzz invariant violation
     }
   });
 
@@ -156,6 +159,36 @@ PYBIND11_MODULE(_core, m) {
                              [](const CachingAllocator& a) { return a.config().policy_name(); })
       .def_property_readonly("config",
                              [](const CachingAllocator& a) { return a.config().to_string(); });
+
+  m.def(
+      "fuzz",
+      [](std::uint64_t ops, std::uint64_t seed, const std::string& policy,
+         const std::string& config, std::size_t capacity, std::size_t limit, int streams,
+         bool manual_events, std::uint64_t full_check_every) {
+        FuzzOptions o{ops, seed, policy, config, capacity, limit, streams, manual_events,
+                      full_check_every};
+        FuzzReport r;
+        {
+          py::gil_scoped_release release;
+          r = fuzz(o);
+        }
+        py::dict d;
+        d["ops"] = r.ops;
+        d["mallocs"] = r.mallocs;
+        d["frees"] = r.frees;
+        d["record_streams"] = r.record_streams;
+        d["empty_caches"] = r.empty_caches;
+        d["ooms"] = r.ooms;
+        d["full_checks"] = r.full_checks;
+        d["drains_to_zero"] = r.drains_to_zero;
+        d["max_live_blocks"] = r.max_live_blocks;
+        d["max_reserved"] = r.max_reserved;
+        return d;
+      },
+      py::arg("ops"), py::arg("seed") = 1, py::arg("policy") = "pymemplan",
+      py::arg("config") = "", py::arg("capacity") = std::size_t{4} << 30, py::arg("limit") = 0,
+      py::arg("streams") = 3, py::arg("manual_events") = true, py::arg("full_check_every") = 1000,
+      "Random operations checked against the allocator's invariants; raises on a violation.");
 
   m.def(
       "replay",

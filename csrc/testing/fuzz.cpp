@@ -1,0 +1,239 @@
+#include "fuzz.hpp"
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <unordered_map>
+#include <vector>
+
+#include "../core/allocator.hpp"
+#include "../core/errors.hpp"
+#include "../devices/simulated_device.hpp"
+
+namespace pymemplan {
+namespace {
+
+struct LiveBlock {
+  std::size_t size;
+  StreamId stream;
+  std::set<StreamId> uses;  // record_stream
+};
+
+// Memory freed while some stream's work may still touch it.
+struct FreedRange {
+  std::uintptr_t lo, hi;
+  StreamId owner;
+  std::set<StreamId> uses;
+  std::uint64_t record_count;  // device record counter at the free
+};
+
+class Fuzzer {
+ public:
+  explicit Fuzzer(const FuzzOptions& o)
+      : o_(o),
+        rng_(o.seed),
+        device_(std::make_shared<SimulatedDevice>(o.capacity, 2 << 20, !o.manual_events)),
+        alloc_(device_, PolicyConfig::parse(o.policy, o.config)) {
+    if (o.limit) alloc_.set_memory_limit(o.limit);
+  }
+
+  FuzzReport run() {
+    for (op_ = 0; op_ < o_.ops; ++op_) {
+      step();
+      if (o_.full_check_every && op_ % o_.full_check_every == 0) full_check();
+      if (op_ % 200000 == 199999) drain_to_zero();
+    }
+    drain_to_zero();
+    r_.ops = o_.ops;
+    return r_;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) {
+    throw std::logic_error("invariant violated at op " + std::to_string(op_) + " (seed " +
+                           std::to_string(o_.seed) + ", policy " + o_.policy + "): " + what);
+  }
+  void expect(bool ok, const char* what) {
+    if (!ok) fail(what);
+  }
+
+  std::size_t random_size() {
+    // Log-uniform over 1 B .. 64 MiB, with a bias towards the small pool as in real traces.
+    std::uniform_real_distribution<double> exp2(0.0, rng_() % 4 == 0 ? 26.0 : 20.0);
+    return static_cast<std::size_t>(std::exp2(exp2(rng_))) + rng_() % 512;
+  }
+
+  void step() {
+    const auto dice = static_cast<unsigned>(rng_() % 1000);
+    const StreamId stream = rng_() % static_cast<unsigned>(o_.streams);
+    if (dice < 500 || live_.empty()) {
+      do_malloc(random_size(), stream);
+    } else if (dice < 900) {
+      do_free(random_live());
+    } else if (dice < 950) {
+      std::uintptr_t p = random_live();
+      alloc_.record_stream(reinterpret_cast<void*>(p), stream);
+      auto& b = live_.at(p);
+      if (stream != b.stream) b.uses.insert(stream);
+      ++r_.record_streams;
+    } else if (dice < 998) {
+      device_->complete_events(stream, rng_() % 4 == 0);
+    } else {
+      alloc_.empty_cache();
+      expect(device_->pending_events() == 0, "empty_cache left events pending");
+      ++r_.empty_caches;
+    }
+  }
+
+  std::uintptr_t random_live() {
+    // Random element of an unordered_map without a linear walk: keep a side vector.
+    std::size_t i = rng_() % order_.size();
+    return order_[i];
+  }
+
+  void do_malloc(std::size_t size, StreamId stream) {
+    ++r_.mallocs;
+    void* ptr = alloc_.try_malloc(static_cast<std::int64_t>(size), stream);
+    if (ptr == nullptr) {
+      ++r_.ooms;
+      expect(!alloc_.last_error().empty(), "OOM without a message");
+      return;
+    }
+    const auto lo = reinterpret_cast<std::uintptr_t>(ptr);
+    const std::uintptr_t hi = lo + size;
+    expect(lo % 512 == 0, "pointer not 512-byte aligned");
+    // No overlap with any live block.
+    auto next = by_addr_.lower_bound(lo);
+    if (next != by_addr_.end()) expect(next->first >= hi, "new block overlaps a live block");
+    if (next != by_addr_.begin()) {
+      auto prev = std::prev(next);
+      expect(prev->second <= lo, "new block overlaps a live block");
+    }
+    // Stream safety: freed memory other streams may still use is not handed out early.
+    for (FreedRange& f : take_freed_overlapping(lo, hi)) {
+      for (StreamId u : f.uses) {
+        expect(device_->completed_through(u) > f.record_count,
+               "memory reused before record_stream's stream completed");
+      }
+      if (f.owner != stream) {
+        expect(device_->completed_through(f.owner) > f.record_count,
+               "memory reused by another stream before its owner completed");
+      }
+    }
+    by_addr_.emplace(lo, hi);
+    live_.emplace(lo, LiveBlock{size, stream, {}});
+    index_[lo] = order_.size();
+    order_.push_back(lo);
+    r_.max_live_blocks = std::max(r_.max_live_blocks, live_.size());
+    const Stats s = alloc_.stats();
+    const std::int64_t reserved = s.reserved_bytes[kAllPools].current;
+    if (o_.limit) expect(reserved <= static_cast<std::int64_t>(o_.limit), "reserved exceeds limit");
+    expect(reserved <= static_cast<std::int64_t>(o_.capacity), "reserved exceeds capacity");
+    r_.max_reserved = std::max(r_.max_reserved, reserved);
+  }
+
+  void do_free(std::uintptr_t p) {
+    ++r_.frees;
+    LiveBlock b = live_.at(p);
+    const std::uint64_t t = device_->record_count();
+    alloc_.free(reinterpret_cast<void*>(p));
+    const std::uintptr_t hi = p + alloc_.round_size(b.size);
+    take_freed_overlapping(p, hi);  // stale records of memory since reused and freed again
+    freed_.emplace(p, FreedRange{p, hi, b.stream, b.uses, t});
+    live_.erase(p);
+    by_addr_.erase(p);
+    const std::size_t i = index_.at(p);
+    index_[order_.back()] = i;
+    order_[i] = order_.back();
+    order_.pop_back();
+    index_.erase(p);
+  }
+
+  // Freed ranges are disjoint (a range is dropped once any of it is handed out again), so an
+  // ordered map finds the overlapping ones in O(log n + k).
+  std::vector<FreedRange> take_freed_overlapping(std::uintptr_t lo, std::uintptr_t hi) {
+    std::vector<FreedRange> out;
+    auto it = freed_.lower_bound(lo);
+    if (it != freed_.begin() && std::prev(it)->second.hi > lo) --it;
+    while (it != freed_.end() && it->second.lo < hi) {
+      out.push_back(it->second);
+      it = freed_.erase(it);
+    }
+    return out;
+  }
+
+  void full_check() {
+    ++r_.full_checks;
+    const Stats s = alloc_.stats();
+    std::int64_t allocated = 0, reserved = 0, active = 0, requested = 0, inactive_split = 0;
+    std::int64_t n_alloc = 0;
+    std::size_t matched = 0;
+    std::uintptr_t prev_end = 0;
+    for (const SegmentInfo& seg : alloc_.snapshot()) {
+      expect(seg.address >= prev_end, "segments overlap");
+      prev_end = seg.address + seg.total_size;
+      reserved += static_cast<std::int64_t>(seg.total_size);
+      std::uintptr_t at = seg.address;
+      for (const BlockInfo& b : seg.blocks) {
+        expect(b.address == at && b.size > 0, "blocks do not tile their segment");
+        at += b.size;
+        if (b.state == "active_allocated") {
+          allocated += static_cast<std::int64_t>(b.size);
+          requested += static_cast<std::int64_t>(b.requested_size);
+          ++n_alloc;
+          auto it = live_.find(b.address);
+          expect(it != live_.end(), "allocated block the caller does not hold");
+          expect(it->second.size == b.requested_size && b.size >= b.requested_size,
+                 "allocated block does not match its request");
+          ++matched;
+        }
+        if (b.state != "inactive") active += static_cast<std::int64_t>(b.size);
+        if (b.state == "inactive" && seg.blocks.size() > 1) {
+          inactive_split += static_cast<std::int64_t>(b.size);
+        }
+      }
+      expect(at == seg.address + seg.total_size, "blocks do not cover their segment");
+    }
+    expect(matched == live_.size(), "a live pointer has no allocated block");
+    expect(s.allocated_bytes[kAllPools].current == allocated, "allocated_bytes != recount");
+    expect(s.reserved_bytes[kAllPools].current == reserved, "reserved_bytes != recount");
+    expect(s.active_bytes[kAllPools].current == active, "active_bytes != recount");
+    expect(s.requested_bytes[kAllPools].current == requested, "requested_bytes != recount");
+    expect(s.allocation[kAllPools].current == n_alloc, "allocation count != recount");
+    expect(s.inactive_split_bytes[kAllPools].current == inactive_split,
+           "inactive_split_bytes != recount");
+    expect(device_->used() >= static_cast<std::size_t>(reserved), "device holds less than reserved");
+  }
+
+  void drain_to_zero() {
+    while (!order_.empty()) do_free(order_.back());
+    alloc_.empty_cache();
+    const Stats s = alloc_.stats();
+    expect(s.reserved_bytes[kAllPools].current == 0, "reserved not 0 after freeing all + empty_cache");
+    expect(s.active_bytes[kAllPools].current == 0, "active not 0 after freeing all + empty_cache");
+    expect(device_->used() == 0 && device_->live_segments() == 0, "device still holds segments");
+    freed_.clear();
+    ++r_.drains_to_zero;
+  }
+
+  FuzzOptions o_;
+  std::mt19937_64 rng_;
+  std::shared_ptr<SimulatedDevice> device_;
+  CachingAllocator alloc_;
+  std::uint64_t op_ = 0;
+  std::unordered_map<std::uintptr_t, LiveBlock> live_;
+  std::map<std::uintptr_t, std::uintptr_t> by_addr_;  // live [lo, hi)
+  std::vector<std::uintptr_t> order_;
+  std::unordered_map<std::uintptr_t, std::size_t> index_;
+  std::map<std::uintptr_t, FreedRange> freed_;
+  FuzzReport r_;
+};
+
+}  // namespace
+
+FuzzReport fuzz(const FuzzOptions& options) { return Fuzzer(options).run(); }
+
+}  // namespace pymemplan

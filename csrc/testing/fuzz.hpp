@@ -1,0 +1,34 @@
+// Random operation sequences against the allocator on a simulated device, every result
+// checked against the allocator's invariants. Shared by the native test executable and the
+// Python module (benchmarks/fuzz_allocator.py).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pymemplan {
+
+struct FuzzOptions {
+  std::uint64_t ops = 100000;
+  std::uint64_t seed = 1;
+  std::string policy = "pymemplan";
+  std::string config;
+  std::size_t capacity = std::size_t{4} << 30;
+  std::size_t limit = 0;             // memory limit on the allocator (0: none)
+  int streams = 3;
+  bool manual_events = true;         // events complete only when the fuzzer says so
+  std::uint64_t full_check_every = 1000;  // snapshot-based recount every this many ops
+};
+
+struct FuzzReport {
+  std::uint64_t ops = 0, mallocs = 0, frees = 0, record_streams = 0, empty_caches = 0;
+  std::uint64_t ooms = 0, full_checks = 0, drains_to_zero = 0;
+  std::size_t max_live_blocks = 0;
+  std::int64_t max_reserved = 0;
+};
+
+// Throws std::logic_error naming the violated invariant, the op index and the seed.
+FuzzReport fuzz(const FuzzOptions& options);
+
+}  // namespace pymemplan

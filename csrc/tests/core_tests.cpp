@@ -1,0 +1,130 @@
+// The core's native test executable, built with -DPYMEMPLAN_NATIVE_TESTS=ON (and with
+// AddressSanitizer + UBSan under -DPYMEMPLAN_SANITIZE=ON). Exits non-zero on any failure.
+//   core_tests [ops-per-policy]
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/allocator.hpp"
+#include "core/errors.hpp"
+#include "devices/simulated_device.hpp"
+#include "testing/fuzz.hpp"
+
+using namespace pymemplan;
+
+namespace {
+
+int failures = 0;
+
+#define CHECK(cond)                                                          \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                            \
+    }                                                                        \
+  } while (0)
+
+template <typename E, typename F>
+bool throws(F f) {
+  try {
+    f();
+  } catch (const E&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+  return false;
+}
+
+void bad_input(const std::string& policy) {
+  auto dev = std::make_shared<SimulatedDevice>(std::size_t{1} << 30);
+  CachingAllocator a(dev, PolicyConfig::parse(policy));
+  void* p = a.malloc(3 << 20, 0);
+  CHECK(throws<AllocatorError>([&] { a.malloc(0, 0); }));
+  CHECK(throws<AllocatorError>([&] { a.malloc(-1, 0); }));
+  CHECK(throws<AllocatorError>([&] { a.free(reinterpret_cast<void*>(0x1000)); }));
+  CHECK(throws<AllocatorError>([&] { a.free(static_cast<char*>(p) + 512); }));
+  void* q = a.malloc(100, 0);
+  a.free(q);
+  CHECK(throws<AllocatorError>([&] { a.free(q); }));
+  a.set_memory_limit(std::size_t{64} << 20);
+  CHECK(throws<OutOfMemoryError>([&] { a.malloc(std::int64_t{65} << 20, 0); }));
+  CHECK(a.try_malloc(std::int64_t{65} << 20, 0) == nullptr && !a.last_error().empty());
+  CHECK(throws<AllocatorError>([&] { PolicyConfig::parse(policy, "no_such_key:1"); }));
+  void* r = a.malloc(1 << 20, 0);
+  CHECK(r != nullptr);
+  a.free(r);
+  a.free(p);
+  a.empty_cache();
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+}
+
+void threads(const std::string& policy) {
+  auto dev = std::make_shared<SimulatedDevice>(std::size_t{16} << 30);
+  CachingAllocator a(dev, PolicyConfig::parse(policy));
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 4; ++t) {
+    workers.emplace_back([&a, t] {
+      std::vector<void*> mine;
+      unsigned x = 12345u + static_cast<unsigned>(t);
+      for (int i = 0; i < 20000; ++i) {
+        x = x * 1103515245u + 12345u;
+        if (!mine.empty() && (x >> 16) % 2 == 0) {
+          a.free(mine.back());
+          mine.pop_back();
+        } else {
+          void* p = a.malloc(static_cast<std::int64_t>(1 + (x >> 8) % (4 << 20)),
+                             static_cast<StreamId>(t % 2));
+          if ((x >> 4) % 16 == 0) a.record_stream(p, static_cast<StreamId>(t + 1));
+          mine.push_back(p);
+        }
+        if (i % 5000 == 0) a.empty_cache();
+      }
+      for (void* p : mine) a.free(p);
+    });
+  }
+  for (auto& w : workers) w.join();
+  a.empty_cache();
+  CHECK(a.stats().allocated_bytes[kAllPools].current == 0);
+  CHECK(a.stats().reserved_bytes[kAllPools].current == 0);
+  CHECK(dev->used() == 0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::uint64_t ops = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 200000;
+  const char* configs[][2] = {{"pymemplan", ""},
+                              {"pymemplan", "max_split_size_mb:48"},
+                              {"torch", ""},
+                              {"torch", "max_split_size_mb:48,roundup_power2_divisions:4"},
+                              {"nocache", ""}};
+  for (auto& c : configs) {
+    try {
+      FuzzOptions o;
+      o.ops = ops;
+      o.policy = c[0];
+      o.config = c[1];
+      o.capacity = std::size_t{2} << 30;
+      o.seed = 7;
+      FuzzReport r = fuzz(o);
+      std::printf("fuzz %-10s %-48s ops=%llu mallocs=%llu ooms=%llu full_checks=%llu\n", c[0], c[1],
+                  static_cast<unsigned long long>(r.ops), static_cast<unsigned long long>(r.mallocs),
+                  static_cast<unsigned long long>(r.ooms),
+                  static_cast<unsigned long long>(r.full_checks));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fuzz %s %s: %s\n", c[0], c[1], e.what());
+      ++failures;
+    }
+  }
+  for (const char* p : {"pymemplan", "torch", "nocache"}) {
+    bad_input(p);
+    threads(p);
+  }
+  std::printf(failures ? "FAILED: %d\n" : "all core tests passed\n", failures);
+  return failures ? 1 : 0;
+}
