@@ -40,7 +40,8 @@ def _replay(args: argparse.Namespace) -> int:
                       format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
                       f"{r.reserved_over_live:.3f}", f"{r.device_allocs:,}",
                       f"{r.device_frees:,}", str(r.ooms), f"{r.ns_per_event:.0f}")
-    Console().print(table)
+    # Piped output has no terminal width to fit; keep rows on one line.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
 
 
