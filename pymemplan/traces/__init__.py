@@ -1,0 +1,23 @@
+"""Allocation traces: the data type, readers and writer, and CPU recording.
+
+    from pymemplan.traces import read_trace, write_csv, record
+    trace = read_trace("run.csv.gz")           # RMM / pymemplan CSV or a torch snapshot
+    with record() as rec: train_step()         # record a real eager step
+    write_csv(rec.trace, "step.csv.gz")
+
+Importing this package does not import torch; only recording does.
+"""
+
+from .builtin import builtin_traces
+from .io import detect_format, read_trace
+from .record import RecordingError, record, record_step
+from .rmm_csv import read_rmm_csv, write_csv
+from .snapshot import read_snapshot_pickle
+from .trace import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError
+from .replay import DEFAULT_POLICIES, ReplayResult, replay
+
+__all__ = [
+    "ALLOC", "ALLOC_FAILURE", "FREE", "RecordingError", "Trace", "TraceError",
+    "DEFAULT_POLICIES", "ReplayResult", "builtin_traces", "replay", "detect_format", "read_rmm_csv", "read_snapshot_pickle",
+    "read_trace", "record", "record_step", "write_csv",
+]
