@@ -130,16 +130,30 @@ def test_torch_oom_ladder_releases_cache_and_retries():
 
 # --- Our policy ---
 
-def test_ours_sizes_large_segments_exactly_and_keeps_the_tail_free():
+def test_ours_segment_sizes():
     _, a = make("pymemplan")
-    p = a.malloc(3 * MiB + 100)
+    a.malloc(3 * MiB + 100)  # requests in (1, 10) MiB share 48 MiB segments
+    a.malloc(9 * MiB)
+    assert segments(a) == [(48 * MiB, "large")]
+    _, a = make("pymemplan", "medium_segment_mb:0")
+    a.malloc(3 * MiB + 100)  # or get their own, rounded to the 2 MiB granularity
     assert segments(a) == [(4 * MiB, "large")]
-    assert block_of(a, p)["size"] == 3 * MiB + 512
-    q = a.malloc(int(1.2 * MiB))  # does not fit the 1 MiB - 512 tail
-    assert segments(a) == [(2 * MiB, "large"), (4 * MiB, "large")]
-    a.free(q)
-    r = a.malloc(MiB + 4096)  # fits the freed 2 MiB segment
-    assert r == q
+
+
+def test_ours_sizes_large_segments_exactly_and_lends_the_tail_to_small_requests():
+    _, a = make("pymemplan")
+    p = a.malloc(13 * MiB + 100)
+    assert segments(a) == [(14 * MiB, "large")]
+    assert block_of(a, p)["size"] == 13 * MiB + 512
+    s = a.malloc(512 * 1024)  # the small pool is empty; the 1 MiB tail serves it
+    assert s == p + 13 * MiB + 512
+    assert segments(a) == [(14 * MiB, "large")]
+    t = a.malloc(1024 * 1024)  # does not fit what is left of the tail: a small segment
+    assert segments(a) == [(2 * MiB, "small"), (14 * MiB, "large")]
+    a.free(s)
+    a.free(p)  # p, the tail and the freed small block coalesce into one free segment
+    assert [b["state"] for b in next(x for x in a.snapshot()["segments"] if x["segment_type"] == "large")["blocks"]] == ["inactive"]
+    a.free(t)
 
 
 def test_ours_releases_cache_before_raising_the_peak():
@@ -154,12 +168,12 @@ def test_ours_releases_cache_before_raising_the_peak():
 def test_ours_reuses_across_streams_only_after_the_owner_completes():
     # (release_before_grow off: it would return p's idle segment to the device instead)
     dev, a = make("pymemplan", "release_before_grow:False", auto=False)
-    p = a.malloc(4 * MiB, stream=1)
+    p = a.malloc(16 * MiB, stream=1)
     a.free(p)
-    q = a.malloc(4 * MiB, stream=2)  # stream 1's work may still touch p: new memory
+    q = a.malloc(16 * MiB, stream=2)  # stream 1's work may still touch p: new memory
     assert q != p
     dev.complete_events(1)
-    r = a.malloc(4 * MiB, stream=2)  # the drain event recorded on stream 1 has completed
+    r = a.malloc(16 * MiB, stream=2)  # the drain event recorded on stream 1 has completed
     assert r == p
 
 
@@ -221,24 +235,24 @@ def test_memory_limit_and_fraction():
 
 
 def test_oom_message_reports_sizes_and_leaves_state_intact():
-    dev, a = make("pymemplan", capacity=64 * MiB)
-    ps = [a.malloc(6 * MiB) for _ in range(10)]  # 60 MiB
+    dev, a = make("pymemplan", capacity=128 * MiB)
+    ps = [a.malloc(12 * MiB) for _ in range(10)]  # ten exact 12 MiB segments
     for p in ps[::2]:
-        a.free(p)  # 30 MiB free, in 6 MiB pieces
-    live = {p: 6 * MiB for p in ps[1::2]}
+        a.free(p)  # 60 MiB cached free
+    live = {p: 12 * MiB for p in ps[1::2]}
     before = a.stats()
     with pytest.raises(_core.OutOfMemoryError) as e:
-        a.malloc(40 * MiB)  # the ladder releases the 30 MiB cached; 34 MiB is not enough
+        a.malloc(80 * MiB)  # the ladder releases the 60 MiB cached; 68 MiB is not enough
     msg = str(e.value)
-    for needle in ("tried to allocate 40.00 MiB", "Allocated 30.00 MiB", "reserved 30.00 MiB",
-                   "largest free block is 0 B", "capacity 64.00 MiB"):
+    for needle in ("tried to allocate 80.00 MiB", "Allocated 60.00 MiB", "reserved 60.00 MiB",
+                   "largest free block is 0 B", "capacity 128.00 MiB"):
         assert needle in msg, (needle, msg)
     st = a.stats()
     assert st["num_ooms"] == before["num_ooms"] + 1
     check_invariants(a, dev, live)
     # and it still works
-    q = a.malloc(6 * MiB)
-    live[q] = 6 * MiB
+    q = a.malloc(12 * MiB)
+    live[q] = 12 * MiB
     check_invariants(a, dev, live)
 
 
@@ -263,7 +277,7 @@ def test_request_larger_than_the_limit():
 
 def test_device_failure_injection_runs_the_retry_rung():
     dev, a = make("pymemplan")
-    p = a.malloc(8 * MiB)
+    p = a.malloc(12 * MiB)
     a.free(p)
     dev.fail_next_allocations(1)
     q = a.malloc(16 * MiB)  # first attempt fails, cache released, retry succeeds
@@ -358,7 +372,8 @@ def test_stats_have_torch_keys_and_meanings_and_peaks_reset():
     assert st["allocated_bytes.large_pool.freed"] == 5 * MiB
     assert st["requested_bytes.small_pool.current"] == 100
     assert st["allocation.all.allocated"] == 2 and st["allocation.all.current"] == 1
-    assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 2 * MiB + 6 * MiB
+    # a 2 MiB small segment, and a 48 MiB one shared by requests in (1, 10) MiB
+    assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 2 * MiB + 48 * MiB
     assert st["inactive_split_bytes.small_pool.current"] == 2 * MiB - 512
     assert st["max_split_size"] == -1
     a.reset_peak_stats()

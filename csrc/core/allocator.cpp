@@ -101,12 +101,19 @@ std::size_t CachingAllocator::segment_size(std::size_t rounded) const {
       }
       break;
     case PolicyKind::Pymemplan:
-      // ours: small requests share 2 MiB segments as in torch; a large request gets a segment
-      // of its own size rounded to the device granularity. A 20 MiB segment for a 2 MiB
-      // request strands up to 18 MiB in a split segment that cannot be returned while any
-      // piece of it is live; the granularity tail of an exact segment is split off and
-      // reused instead (see should_split).
-      bytes = rounded <= kSmallSize ? kSmallBuffer : rounded;
+      // ours: as torch, small requests share 2 MiB segments and requests in (1 MiB, 10 MiB)
+      // share larger ones (medium_segment_mb), so the device's 2 MiB granularity is paid
+      // once per segment rather than once per tensor. A request of 10 MiB or more gets a
+      // segment of its own size: split remainders of big shared segments are where torch
+      // strands memory, while an exact segment wastes at most its granularity tail, which
+      // small requests may still use (find_large_pool_fragment).
+      if (rounded <= kSmallSize) {
+        bytes = kSmallBuffer;
+      } else if (rounded < kMinLargeAlloc && config_.medium_segment > 0) {
+        bytes = std::max(config_.medium_segment, rounded);
+      } else {
+        bytes = rounded;
+      }
       break;
     case PolicyKind::NoCache:
       // cudaMalloc of the rounded size, one per request.
@@ -306,6 +313,9 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   }
   Pool& pool = pool_for(rounded);
   Block* b = find_free_block(pool, rounded, stream);
+  if (b == nullptr && pool.small && config_.kind == PolicyKind::Pymemplan) {
+    b = find_large_pool_fragment(rounded, stream);
+  }
   if (b == nullptr && config_.cross_stream_reuse) {
     drain_other_streams(pool, stream);
     b = find_free_block(pool, rounded, stream);
@@ -370,6 +380,19 @@ Block* CachingAllocator::find_free_block(Pool& pool, std::size_t rounded, Stream
   Block* b = own;
   if (shared != nullptr && (own == nullptr || shared->size < own->size)) b = shared;
   if (b != nullptr) erase_free(b);
+  return b;
+}
+
+Block* CachingAllocator::find_large_pool_fragment(std::size_t rounded, StreamId stream) {
+  // ours: a free block of the large pool smaller than a small segment serves almost no large
+  // request (those are over 1 MiB; exact-size segments leave such tails under the 2 MiB
+  // granularity); it serves a small request before the small pool grows.
+  Block* own = best_fit(large_, rounded, stream);
+  Block* shared = config_.cross_stream_reuse ? best_fit(large_, rounded, kAnyStream) : nullptr;
+  Block* b = own;
+  if (shared != nullptr && (own == nullptr || shared->size < own->size)) b = shared;
+  if (b == nullptr || b->size >= kSmallBuffer) return nullptr;
+  erase_free(b);
   return b;
 }
 

@@ -22,6 +22,7 @@ constexpr KeyInfo kKeys[] = {
     {"roundup_power2_divisions", "0 or a power of two between 1 and 64", false},
     {"release_before_grow", "True or False", true},
     {"cross_stream_reuse", "True or False", true},
+    {"medium_segment_mb", "an integer >= 0 (MiB; 0: exact-size segments)", true},
 };
 
 std::string trim(const std::string& s) {
@@ -137,6 +138,11 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       c.roundup_power2_divisions = static_cast<std::size_t>(d);
     } else if (key == "release_before_grow") {
       c.release_before_grow = parse_bool(key, value);
+    } else if (key == "medium_segment_mb") {
+      const char* expected = "an integer >= 0 (MiB; 0: exact-size segments)";
+      long long mb = parse_int(key, value, expected);
+      if (mb < 0 || mb > (1LL << 20)) bad_value(key, value, expected);
+      c.medium_segment = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "cross_stream_reuse") {
       c.cross_stream_reuse = parse_bool(key, value);
     }
@@ -160,6 +166,7 @@ std::string PolicyConfig::to_string() const {
   if (kind == PolicyKind::Pymemplan) {
     put("release_before_grow", release_before_grow ? "True" : "False");
     put("cross_stream_reuse", cross_stream_reuse ? "True" : "False");
+    put("medium_segment_mb", std::to_string(medium_segment / kMiB));
   }
   return out.str();
 }

@@ -33,6 +33,8 @@ struct PolicyConfig {
   // Free blocks of one stream become usable by others once an event shows the owner's work
   // is done (ours only; PyTorch never reuses a block across streams).
   bool cross_stream_reuse = true;
+  // Segment size for requests in (1 MiB, 10 MiB) (ours only; 0: the request's own size).
+  std::size_t medium_segment = 48 * kMiB;
 
   // Defaults of a named policy ("pymemplan", "torch", "nocache") then the settings in `conf`.
   // Throws AllocatorError naming the bad key or value and listing the valid ones.
