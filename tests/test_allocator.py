@@ -434,3 +434,15 @@ def test_many_threads_allocating_and_freeing(policy):
     check_invariants(a, dev, {})
     a.empty_cache()
     assert a.stats()["reserved_bytes.all.current"] == 0 and dev.used == 0
+
+
+def test_snapshot_is_read_by_torch_memory_viz():
+    from torch.cuda import _memory_viz
+
+    _, a = make("pymemplan")
+    ps = [a.malloc(n) for n in (100, 3 * MiB, 20 * MiB)]
+    a.free(ps[1])
+    snap = a.snapshot()
+    summary = _memory_viz.segsum(snap)
+    assert "segments: 2" in summary and "total_reserved: 50.0MiB" in summary
+    assert "<html" in _memory_viz.segment_plot(snap).lower()

@@ -368,17 +368,23 @@ Block* CachingAllocator::best_fit(Pool& pool, std::size_t rounded, StreamId key)
   return *it;
 }
 
-Block* CachingAllocator::find_free_block(Pool& pool, std::size_t rounded, StreamId stream) {
-  if (config_.kind == PolicyKind::NoCache) return nullptr;
+Block* CachingAllocator::usable_best_fit(Pool& pool, std::size_t rounded, StreamId stream) {
+  // The smaller of the best fits among this stream's blocks and the shared ones.
   Block* own = best_fit(pool, rounded, stream);
   if (own != nullptr && !acceptable(own, rounded)) own = nullptr;
-  Block* shared = nullptr;
-  if (config_.cross_stream_reuse) {
-    shared = best_fit(pool, rounded, kAnyStream);
-    if (shared != nullptr && !acceptable(shared, rounded)) shared = nullptr;
+  // kAnyStream sorts last: the last free block tells in O(1) whether any is shared.
+  if (!config_.cross_stream_reuse || pool.free.empty() ||
+      (*pool.free.rbegin())->stream != kAnyStream) {
+    return own;
   }
-  Block* b = own;
-  if (shared != nullptr && (own == nullptr || shared->size < own->size)) b = shared;
+  Block* shared = best_fit(pool, rounded, kAnyStream);
+  if (shared != nullptr && !acceptable(shared, rounded)) shared = nullptr;
+  return shared != nullptr && (own == nullptr || shared->size < own->size) ? shared : own;
+}
+
+Block* CachingAllocator::find_free_block(Pool& pool, std::size_t rounded, StreamId stream) {
+  if (config_.kind == PolicyKind::NoCache) return nullptr;
+  Block* b = usable_best_fit(pool, rounded, stream);
   if (b != nullptr) erase_free(b);
   return b;
 }
@@ -387,10 +393,7 @@ Block* CachingAllocator::find_large_pool_fragment(std::size_t rounded, StreamId 
   // ours: a free block of the large pool smaller than a small segment serves almost no large
   // request (those are over 1 MiB; exact-size segments leave such tails under the 2 MiB
   // granularity); it serves a small request before the small pool grows.
-  Block* own = best_fit(large_, rounded, stream);
-  Block* shared = config_.cross_stream_reuse ? best_fit(large_, rounded, kAnyStream) : nullptr;
-  Block* b = own;
-  if (shared != nullptr && (own == nullptr || shared->size < own->size)) b = shared;
+  Block* b = usable_best_fit(large_, rounded, stream);
   if (b == nullptr || b->size >= kSmallBuffer) return nullptr;
   erase_free(b);
   return b;

@@ -92,6 +92,7 @@ class CachingAllocator {
 
   Block* find_free_block(Pool& pool, std::size_t rounded, StreamId stream);
   Block* find_large_pool_fragment(std::size_t rounded, StreamId stream);
+  Block* usable_best_fit(Pool& pool, std::size_t rounded, StreamId stream);
   Block* best_fit(Pool& pool, std::size_t rounded, StreamId key);
   bool acceptable(const Block* block, std::size_t rounded) const;
   Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
