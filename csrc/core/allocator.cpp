@@ -478,10 +478,8 @@ Block* CachingAllocator::coalesce(Block* b) {
   // `b` is free and listed nowhere. It absorbs free neighbours that its owner may use: those
   // of the same owner, and shared ones (kAnyStream). Merging with another stream's block
   // would let one stream reuse memory the other may still be using.
-  Pool& pool = b->segment->small ? small_ : large_;
   auto joinable = [&](Block* n) {
-    return n != nullptr && n->is_free() && (n->stream == b->stream || n->stream == kAnyStream) &&
-           pool.free.count(n) != 0;
+    return n != nullptr && n->listed && (n->stream == b->stream || n->stream == kAnyStream);
   };
   if (joinable(b->prev)) {
     Block* prev = b->prev;
@@ -512,6 +510,7 @@ Block* CachingAllocator::merge(Block* first, Block* second) {
 void CachingAllocator::insert_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
   pool.free.insert(b);
+  b->listed = true;
   if (b->is_whole_segment()) {
     unused_segments_.insert(b);
   } else {
@@ -523,6 +522,7 @@ void CachingAllocator::insert_free(Block* b) {
 void CachingAllocator::erase_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
   pool.free.erase(b);
+  b->listed = false;
   if (b->is_whole_segment()) {
     unused_segments_.erase(b);
   } else {

@@ -24,6 +24,7 @@ struct Block {
   // kAnyStream once that stream's work is known complete.
   StreamId stream = 0;
   bool allocated = false;
+  bool listed = false;                // in its pool's free list
   int pending_events = 0;             // freed, but waiting on this many events before reuse
   std::vector<StreamId> stream_uses;  // streams other than `stream` that used it (record_stream)
   std::uint64_t free_seq = 0;         // order in which it became free (for stream drains)
