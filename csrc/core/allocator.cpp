@@ -220,6 +220,12 @@ void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   }
 }
 
+bool CachingAllocator::owns(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  return it != allocated_.end() && it->second->allocated;
+}
+
 void CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   // torch: emptyCache() -> release_cached_blocks(): synchronize outstanding events first so

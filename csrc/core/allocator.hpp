@@ -54,6 +54,8 @@ class CachingAllocator {
   // The block holding `ptr` is also used on `stream`: it is not reused until work queued on
   // `stream` at free time has completed.
   void record_stream(void* ptr, StreamId stream);
+  // Whether `ptr` is a live allocation of this allocator.
+  bool owns(const void* ptr) const;
   // Wait for pending frees, then give every wholly free segment back to the device.
   void empty_cache();
 

@@ -1,0 +1,88 @@
+#include "cuda_driver.hpp"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "../core/errors.hpp"
+
+namespace pymemplan::cuda {
+namespace {
+
+using GetProcAddress = CUresult (*)(const char*, void**, int, unsigned long long);
+
+// Resolves `name` (a base name such as "cuMemAlloc"; the driver returns the current version
+// of the entry point) through cuGetProcAddress when the driver has it, else through dlsym
+// with the versioned symbol.
+template <typename F>
+void resolve(void* lib, GetProcAddress gpa, F& out, const char* name, const char* versioned,
+             const std::string& path) {
+  void* fn = nullptr;
+  if (gpa != nullptr && gpa(name, &fn, 12000, 0) != CUDA_SUCCESS) fn = nullptr;
+  if (fn == nullptr) fn = dlsym(lib, versioned);
+  if (fn == nullptr) {
+    throw DeviceError("CUDA driver " + path + " has no " + versioned +
+                      "; it is too old or not a CUDA driver");
+  }
+  out = reinterpret_cast<F>(fn);
+}
+
+Driver load() {
+  const char* env = std::getenv("PYMEMPLAN_LIBCUDA");
+  const std::string path = env != nullptr && *env != '\0' ? env : "libcuda.so.1";
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    throw DeviceError("cannot load the CUDA driver " + path + ": " + (why ? why : "unknown") +
+                      ". Is an NVIDIA driver installed? PYMEMPLAN_LIBCUDA may name the library.");
+  }
+  auto gpa = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress"));
+  Driver d;
+  resolve(lib, gpa, d.cuInit, "cuInit", "cuInit", path);
+  resolve(lib, gpa, d.cuDeviceGetCount, "cuDeviceGetCount", "cuDeviceGetCount", path);
+  resolve(lib, gpa, d.cuDeviceGet, "cuDeviceGet", "cuDeviceGet", path);
+  resolve(lib, gpa, d.cuDeviceTotalMem, "cuDeviceTotalMem", "cuDeviceTotalMem_v2", path);
+  resolve(lib, gpa, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",
+          "cuDevicePrimaryCtxRetain", path);
+  resolve(lib, gpa, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease",
+          "cuDevicePrimaryCtxRelease_v2", path);
+  resolve(lib, gpa, d.cuCtxGetCurrent, "cuCtxGetCurrent", "cuCtxGetCurrent", path);
+  resolve(lib, gpa, d.cuCtxSetCurrent, "cuCtxSetCurrent", "cuCtxSetCurrent", path);
+  resolve(lib, gpa, d.cuMemAlloc, "cuMemAlloc", "cuMemAlloc_v2", path);
+  resolve(lib, gpa, d.cuMemFree, "cuMemFree", "cuMemFree_v2", path);
+  resolve(lib, gpa, d.cuEventCreate, "cuEventCreate", "cuEventCreate", path);
+  resolve(lib, gpa, d.cuEventDestroy, "cuEventDestroy", "cuEventDestroy_v2", path);
+  resolve(lib, gpa, d.cuEventRecord, "cuEventRecord", "cuEventRecord", path);
+  resolve(lib, gpa, d.cuEventQuery, "cuEventQuery", "cuEventQuery", path);
+  resolve(lib, gpa, d.cuEventSynchronize, "cuEventSynchronize", "cuEventSynchronize", path);
+  resolve(lib, gpa, d.cuGetErrorName, "cuGetErrorName", "cuGetErrorName", path);
+  d.check(d.cuInit(0), "cuInit");
+  return d;
+}
+
+}  // namespace
+
+const Driver& Driver::get() {
+  // A failed load is retried on the next call (the user may fix the environment), a good
+  // one is kept for the life of the process.
+  static std::mutex mutex;
+  static Driver* driver = nullptr;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (driver == nullptr) driver = new Driver(load());  // never freed: used until exit
+  return *driver;
+}
+
+std::string Driver::error_name(CUresult r) const {
+  const char* name = nullptr;
+  if (cuGetErrorName != nullptr && cuGetErrorName(r, &name) == CUDA_SUCCESS && name != nullptr) {
+    return name;
+  }
+  return "CUDA error " + std::to_string(r);
+}
+
+void Driver::check(CUresult r, const char* call) const {
+  if (r != CUDA_SUCCESS) throw DeviceError(std::string(call) + " failed: " + error_name(r));
+}
+
+}  // namespace pymemplan::cuda

@@ -1,0 +1,50 @@
+// The few CUDA driver API types and entry points CudaDevice uses, resolved at run time from
+// libcuda.so.1 (or the library named by PYMEMPLAN_LIBCUDA), so nothing links against CUDA
+// and the plugin builds where no toolkit is installed. Values match the driver's cuda.h.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace pymemplan::cuda {
+
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+
+constexpr CUresult CUDA_SUCCESS = 0;
+constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x2;
+
+// The resolved entry points. Loaded once per process; load() throws DeviceError naming the
+// library and the missing symbol when the driver cannot be used.
+struct Driver {
+  CUresult (*cuInit)(unsigned int) = nullptr;
+  CUresult (*cuDeviceGetCount)(int*) = nullptr;
+  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*cuDeviceTotalMem)(std::size_t*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
+  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuMemAlloc)(CUdeviceptr*, std::size_t) = nullptr;
+  CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned int) = nullptr;
+  CUresult (*cuEventDestroy)(CUevent) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventQuery)(CUevent) = nullptr;
+  CUresult (*cuEventSynchronize)(CUevent) = nullptr;
+  CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+
+  static const Driver& get();  // thread-safe, loads on first call
+  // "CUDA_ERROR_OUT_OF_MEMORY" (or the number when the driver does not know it).
+  std::string error_name(CUresult r) const;
+  // Throws DeviceError "<call> failed: <error name>" unless r is CUDA_SUCCESS.
+  void check(CUresult r, const char* call) const;
+};
+
+}  // namespace pymemplan::cuda

@@ -1,0 +1,288 @@
+// libpymemplan_alloc.so: the C ABI PyTorch's CUDAPluggableAllocator and pymemplan's ctypes
+// layer call. Everything C++ stays behind this file: each entry point catches what the
+// allocator throws and turns it into a return value and a per-thread last error.
+#include "pymemplan_alloc.h"
+
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "../core/allocator.hpp"
+#include "../core/errors.hpp"
+#include "../devices/cuda_device.hpp"
+
+using namespace pymemplan;
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+struct PluginConfig {
+  std::string policy = "pymemplan";
+  std::string config;      // the policy's own keys
+  bool raise_on_oom = true;  // oom_action:raise (see pymemplan_alloc.h)
+};
+
+struct Plugin {
+  std::mutex mutex;  // guards creation and configuration; lookups are lock-free
+  PluginConfig config;
+  std::array<std::atomic<CachingAllocator*>, kMaxDevices> allocators{};
+  std::atomic<bool> raise_on_oom{true};
+};
+
+Plugin& plugin() {
+  static Plugin* p = new Plugin;  // lives until exit: tensors may be freed during teardown
+  return *p;
+}
+
+thread_local std::string last_error;
+
+void set_error(const std::string& message) { last_error = message; }
+
+// Splits plugin keys (oom_action) from the policy's keys and validates both.
+PluginConfig parse_plugin_config(const std::string& policy, const std::string& conf) {
+  PluginConfig out;
+  out.policy = policy;
+  std::stringstream items(conf);
+  std::string item;
+  std::string rest;
+  while (std::getline(items, item, ',')) {
+    const auto colon = item.find(':');
+    std::string key = item.substr(0, colon);
+    key.erase(0, key.find_first_not_of(" \t"));
+    key.erase(key.find_last_not_of(" \t") + 1);
+    if (key == "oom_action") {
+      std::string value = colon == std::string::npos ? "" : item.substr(colon + 1);
+      value.erase(0, value.find_first_not_of(" \t"));
+      value.erase(value.find_last_not_of(" \t") + 1);
+      if (value != "raise" && value != "null") {
+        throw AllocatorError("allocator config: bad value '" + value +
+                             "' for 'oom_action': expected raise or null");
+      }
+      out.raise_on_oom = value == "raise";
+    } else if (!item.empty()) {
+      rest += rest.empty() ? item : "," + item;
+    }
+  }
+  PolicyConfig::parse(policy, rest);  // throws with the valid keys listed
+  out.config = rest;
+  return out;
+}
+
+CachingAllocator& allocator_for(int device) {
+  if (device < 0 || device >= kMaxDevices) {
+    throw DeviceError("invalid CUDA device index " + std::to_string(device));
+  }
+  Plugin& p = plugin();
+  CachingAllocator* a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+  if (a != nullptr) return *a;
+  std::lock_guard<std::mutex> lock(p.mutex);
+  a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
+  if (a == nullptr) {
+    a = new CachingAllocator(std::make_shared<CudaDevice>(device),
+                             PolicyConfig::parse(p.config.policy, p.config.config));
+    p.allocators[static_cast<std::size_t>(device)].store(a, std::memory_order_release);
+  }
+  return *a;
+}
+
+CachingAllocator* existing_allocator(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return plugin().allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+}
+
+// Runs f, turning any exception into -1 and the last error.
+template <typename F>
+int guarded(F f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(e.what());
+  } catch (...) {
+    set_error("unknown error");
+  }
+  return -1;
+}
+
+long write_out(const std::string& s, char* buf, std::size_t len) {
+  if (buf != nullptr && len > s.size()) {
+    std::memcpy(buf, s.data(), s.size());
+    buf[s.size()] = '\0';
+  }
+  return static_cast<long>(s.size());
+}
+
+std::string stats_json(const Stats& s) {
+  std::ostringstream out;
+  out << '{';
+  bool first = true;
+  for (const auto& [key, value] : s.items()) {
+    out << (first ? "" : ",") << '"' << key << "\":" << value;
+    first = false;
+  }
+  out << '}';
+  return out.str();
+}
+
+std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device) {
+  std::ostringstream out;
+  out << "{\"segments\":[";
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const SegmentInfo& s = segments[i];
+    out << (i ? "," : "") << "{\"device\":" << device << ",\"address\":" << s.address
+        << ",\"total_size\":" << s.total_size << ",\"allocated_size\":" << s.allocated_size
+        << ",\"active_size\":" << s.active_size << ",\"requested_size\":" << s.requested_size
+        << ",\"stream\":" << s.stream << ",\"segment_type\":\"" << s.segment_type
+        << "\",\"segment_pool_id\":[0,0],\"is_expandable\":false,\"frames\":[],\"blocks\":[";
+    for (std::size_t j = 0; j < s.blocks.size(); ++j) {
+      const BlockInfo& b = s.blocks[j];
+      out << (j ? "," : "") << "{\"address\":" << b.address << ",\"size\":" << b.size
+          << ",\"requested_size\":" << b.requested_size << ",\"state\":\"" << b.state
+          << "\",\"frames\":[]}";
+    }
+    out << "]}";
+  }
+  out << "]}";
+  return out.str();
+}
+
+}  // namespace
+
+extern "C" {
+
+void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
+  if (size == 0) return nullptr;  // as PyTorch's own allocator: empty tensors own no memory
+  std::string failure;
+  try {
+    void* p = allocator_for(device).try_malloc(static_cast<std::int64_t>(size),
+                                               reinterpret_cast<StreamId>(stream));
+    if (p != nullptr) return p;
+    failure = allocator_for(device).last_error();
+  } catch (const std::exception& e) {
+    failure = std::string("pymemplan: allocation failed: ") + e.what();
+  } catch (...) {
+    failure = "pymemplan: allocation failed";
+  }
+  set_error(failure);
+  if (plugin().raise_on_oom.load(std::memory_order_relaxed)) {
+    // Deliberately the one exception that leaves this library: PyTorch would otherwise wrap
+    // NULL in a tensor without an error. Its Python bindings turn this into a RuntimeError.
+    throw std::runtime_error(failure);
+  }
+  return nullptr;
+}
+
+void pymemplan_free(void* ptr, ssize_t, int device, pymemplan_stream_t) {
+  if (ptr == nullptr) return;
+  if (guarded([&] { allocator_for(device).free(ptr); }) != 0) {
+    // Nobody can receive an error from a deleter; say it where a user will see it.
+    std::fprintf(stderr, "pymemplan: %s\n", last_error.c_str());
+  }
+}
+
+void pymemplan_init(int) {}  // allocators are created per device on first use
+
+void pymemplan_reset(void) { pymemplan_empty_cache(-1); }
+
+void pymemplan_memory_fraction(double fraction, int device) {
+  if (guarded([&] { allocator_for(device).set_memory_fraction(fraction); }) != 0) {
+    std::fprintf(stderr, "pymemplan: %s\n", last_error.c_str());
+  }
+}
+
+void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream) {
+  const int rc = guarded([&] {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      CachingAllocator* a = existing_allocator(d);
+      if (a != nullptr && a->owns(ptr)) {
+        a->record_stream(ptr, reinterpret_cast<StreamId>(stream));
+        return;
+      }
+    }
+    throw AllocatorError("record_stream: pointer was not allocated by pymemplan");
+  });
+  if (rc != 0) std::fprintf(stderr, "pymemplan: %s\n", last_error.c_str());
+}
+
+int pymemplan_configure(const char* policy, const char* config) {
+  return guarded([&] {
+    PluginConfig c = parse_plugin_config(policy ? policy : "pymemplan", config ? config : "");
+    Plugin& p = plugin();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    for (auto& a : p.allocators) {
+      if (a.load() != nullptr && (c.policy != p.config.policy || c.config != p.config.config)) {
+        throw AllocatorError("the allocator is already in use with policy '" + p.config.policy +
+                             "' and config '" + p.config.config +
+                             "'; configure it before the first CUDA allocation");
+      }
+    }
+    p.config = c;
+    p.raise_on_oom.store(c.raise_on_oom);
+  });
+}
+
+long pymemplan_stats_json(int device, char* buf, std::size_t len) {
+  long n = -1;
+  guarded([&] {
+    if (device < 0 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
+    CachingAllocator* a = existing_allocator(device);
+    n = write_out(stats_json(a != nullptr ? a->stats() : Stats{}), buf, len);
+  });
+  return n;
+}
+
+long pymemplan_snapshot_json(int device, char* buf, std::size_t len) {
+  long n = -1;
+  guarded([&] {
+    if (device < 0 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
+    CachingAllocator* a = existing_allocator(device);
+    n = write_out(snapshot_json(a != nullptr ? a->snapshot() : std::vector<SegmentInfo>{}, device),
+                  buf, len);
+  });
+  return n;
+}
+
+int pymemplan_reset_peak_stats(int device) {
+  return guarded([&] {
+    if (CachingAllocator* a = existing_allocator(device)) a->reset_peak_stats();
+  });
+}
+
+int pymemplan_reset_accumulated_stats(int device) {
+  return guarded([&] {
+    if (CachingAllocator* a = existing_allocator(device)) a->reset_accumulated_stats();
+  });
+}
+
+int pymemplan_set_memory_limit(int device, std::size_t bytes) {
+  return guarded([&] { allocator_for(device).set_memory_limit(bytes); });
+}
+
+int pymemplan_empty_cache(int device) {
+  return guarded([&] {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (device >= 0 && d != device) continue;
+      if (CachingAllocator* a = existing_allocator(d)) a->empty_cache();
+    }
+  });
+}
+
+const char* pymemplan_last_error(void) { return last_error.c_str(); }
+
+int pymemplan_device_count(void) {
+  int count = -1;
+  guarded([&] {
+    const cuda::Driver& d = cuda::Driver::get();
+    d.check(d.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  });
+  return count;
+}
+
+}  // extern "C"

@@ -1,0 +1,58 @@
+/* libpymemplan_alloc.so: pymemplan's caching allocator as a PyTorch pluggable allocator.
+ *
+ * The first group has the exact signatures torch.cuda.memory.CUDAPluggableAllocator calls
+ * (torch/csrc/cuda/CUDAPluggableAllocator.cpp). The second is a small C API that
+ * pymemplan reads with ctypes. One allocator per device, created on first use.
+ *
+ * No function lets a C++ exception escape, except pymemplan_alloc when the config says
+ * oom_action:raise (the default): PyTorch turns a NULL from a pluggable allocator into a
+ * tensor with a null data pointer and no error, so on OOM we throw std::runtime_error
+ * carrying our message, which PyTorch's Python bindings turn into a RuntimeError. With
+ * oom_action:null the function returns NULL instead and leaves the message for
+ * pymemplan_last_error(). Errors elsewhere return -1 (or NULL) and set the last error.
+ */
+#ifndef PYMEMPLAN_ALLOC_H
+#define PYMEMPLAN_ALLOC_H
+
+#include <stddef.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st* pymemplan_stream_t; /* cudaStream_t */
+
+/* --- The PyTorch CUDAPluggableAllocator interface --- */
+void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream);
+/* `size` is the requested size PyTorch recorded; `stream` the allocation stream. */
+void pymemplan_free(void* ptr, ssize_t size, int device, pymemplan_stream_t stream);
+void pymemplan_init(int device_count);
+void pymemplan_reset(void); /* torch.cuda.empty_cache() */
+void pymemplan_memory_fraction(double fraction, int device);
+void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream);
+
+/* --- The C API for Python (ctypes). Return 0 on success, -1 on error (see last_error). --- */
+/* Policy name and config string ("key:value,..."), for allocators created after this call.
+ * Fails if an allocator already exists or the config is invalid. */
+int pymemplan_configure(const char* policy, const char* config);
+/* Writes a NUL-terminated JSON object into buf (PyTorch memory_stats() keys) and returns
+ * the length it needs (excluding NUL); call again with a bigger buffer if that is >= len.
+ * A device with no allocator yet reports all-zero stats. Returns -1 on error. */
+long pymemplan_stats_json(int device, char* buf, size_t len);
+/* Same protocol; a JSON object {"segments": [...]} in torch.cuda.memory._snapshot() shape. */
+long pymemplan_snapshot_json(int device, char* buf, size_t len);
+int pymemplan_reset_peak_stats(int device);
+int pymemplan_reset_accumulated_stats(int device);
+int pymemplan_set_memory_limit(int device, size_t bytes); /* 0: no limit */
+int pymemplan_empty_cache(int device);                     /* -1: every device */
+/* The last error of the calling thread (OOM message, bad pointer, driver failure), or "". */
+const char* pymemplan_last_error(void);
+/* Number of devices the driver reports, or -1 with last_error set (no driver, ...). */
+int pymemplan_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYMEMPLAN_ALLOC_H */
