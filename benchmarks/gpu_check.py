@@ -1,0 +1,110 @@
+"""GPU check of the plugin: the GPU-marked tests, then real training with three allocators.
+
+    python benchmarks/gpu_check.py            # needs a CUDA GPU and pymemplan installed
+
+Trains resnet50 and GPT-2 small (random init) for 20 steps each, three times — PyTorch's
+native allocator, native with expandable_segments:True, and pymemplan — each in its own
+process. It reports the peak reserved and peak allocated bytes (from each allocator's own
+stats), the median step time, and the ratios to native. Writes
+benchmarks/results/gpu_check.json. Sized to finish in under 8 minutes on one H100/H200.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULT = HERE / "results" / "gpu_check.json"
+
+MODES = {
+    "native": {},
+    "native_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "pymemplan": {"PYMEMPLAN_ENABLE": "1"},
+}
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    import pymemplan  # enables itself when PYMEMPLAN_ENABLE=1
+    import torch, torch.nn.functional as F
+    model_name, steps = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    if model_name == "resnet50":
+        import torchvision
+        model = torchvision.models.resnet50().cuda()
+        def batch():
+            return torch.randn(64, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (64,), device="cuda")
+        def loss_of(x, y):
+            return F.cross_entropy(model(x), y)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        model = GPT2LMHeadModel(GPT2Config()).cuda()
+        def batch():
+            ids = torch.randint(0, 50257, (8, 1024), device="cuda")
+            return ids, ids
+        def loss_of(x, y):
+            return model(input_ids=x, labels=y).loss
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times = []
+    for _ in range(steps):
+        x, y = batch()
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        loss_of(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+    if pymemplan.is_enabled():
+        stats = pymemplan.memory_stats()
+    else:
+        stats = torch.cuda.memory_stats()
+    times = sorted(times[3:])
+    print(json.dumps({
+        "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+        "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+        "num_device_alloc": stats.get("num_device_alloc"),
+        "median_step_s": times[len(times) // 2],
+    }))
+""")
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
+        return 2
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
+                            str(HERE.parent / "tests")], timeout=300)
+    rows = []
+    for model in ("resnet50", "gpt2"):
+        for mode, env in MODES.items():
+            r = subprocess.run([sys.executable, "-c", WORKER, model, "20"], capture_output=True,
+                               text=True, timeout=240, env={**os.environ, **env})
+            if r.returncode != 0:
+                rows.append({"model": model, "mode": mode, "error": r.stderr[-2000:]})
+                print(f"{model:9s} {mode:18s} FAILED\n{r.stderr[-2000:]}", flush=True)
+                continue
+            row = {"model": model, "mode": mode, **json.loads(r.stdout.strip().splitlines()[-1])}
+            rows.append(row)
+            print(f"{model:9s} {mode:18s} reserved {row['peak_reserved_bytes'] / 2**30:7.2f} GiB  "
+                  f"allocated {row['peak_allocated_bytes'] / 2**30:7.2f} GiB  "
+                  f"step {row['median_step_s'] * 1e3:7.1f} ms", flush=True)
+    for row in rows:
+        base = next((b for b in rows if b["model"] == row["model"] and b["mode"] == "native"
+                     and "error" not in b), None)
+        if base is not None and "error" not in row:
+            row["reserved_over_native"] = row["peak_reserved_bytes"] / base["peak_reserved_bytes"]
+            row["step_time_over_native"] = row["median_step_s"] / base["median_step_s"]
+    RESULT.parent.mkdir(exist_ok=True)
+    RESULT.write_text(json.dumps({"device": torch.cuda.get_device_name(0),
+                                  "torch": torch.__version__,
+                                  "gpu_tests_exit_code": tests.returncode,
+                                  "runs": rows}, indent=2) + "\n")
+    print(f"-> {RESULT}")
+    return 0 if tests.returncode == 0 and all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

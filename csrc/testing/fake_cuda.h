@@ -1,0 +1,100 @@
+/* Control API of libfakecuda.so, a fake CUDA driver for tests.
+ *
+ * libfakecuda.so exports, with C linkage and the driver's own names and signatures, the
+ * subset of the CUDA driver API (libcuda.so.1) that CudaDevice uses, over host memory:
+ * cuMemAlloc hands out real, readable and writable host memory (2 MiB aligned), and the
+ * virtual-memory calls (cuMemAddressReserve, cuMemCreate, cuMemMap, ...) work over memfd and
+ * mmap, so two ranges mapped to one physical handle alias each other. Tests point
+ * PYMEMPLAN_LIBCUDA at the library so the real CUDA code path runs on CPUs, and drive it
+ * through the functions below (ctypes loading the same file shares the same state).
+ *
+ * The driver functions are not declared here, so this header can sit next to cuda.h.
+ *
+ * Configuration at the first cuInit after the library is loaded or reset: each of these
+ * environment variables, when set, replaces the corresponding setting (a malformed value
+ * makes cuInit fail with CUDA_ERROR_INVALID_VALUE and a message on stderr):
+ *   FAKECUDA_DEVICE_COUNT     devices (default 1; 0 makes cuInit return CUDA_ERROR_NO_DEVICE)
+ *   FAKECUDA_CAPACITY         bytes per device (default 16 GiB); suffixes K, M, G, T, KiB,
+ *                             MiB, GiB, TiB (all binary) are accepted: "64MiB"
+ *   FAKECUDA_FAIL_ALLOC_AT    as fakecuda_fail_alloc_at
+ *   FAKECUDA_FAIL_ALLOC_ERROR as fakecuda_fail_alloc_error
+ *   FAKECUDA_FAIL_CREATE_AT   as fakecuda_fail_create_at
+ *   FAKECUDA_EVENT_DELAY      as fakecuda_set_event_delay
+ *   FAKECUDA_MANUAL_EVENTS    as fakecuda_set_manual_events (0 or 1)
+ *
+ * Capacity is a budget: bytes are counted exactly as requested (cuMemAlloc sizes and
+ * cuMemCreate sizes, per device), and host memory is touched only when written.
+ */
+#ifndef PYMEMPLAN_FAKE_CUDA_H
+#define PYMEMPLAN_FAKE_CUDA_H
+
+#include <stddef.h>
+
+#if defined(__GNUC__)
+#define FAKECUDA_API __attribute__((visibility("default")))
+#else
+#define FAKECUDA_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Forget everything: allocations, handles, mappings and reservations are released, events
+ * destroyed, counters zeroed, settings back to their defaults, not initialized (the next
+ * cuInit reads the environment again). Every thread's current context becomes NULL. */
+FAKECUDA_API void fakecuda_reset(void);
+
+/* Number of devices (0..64). Each device has a distinct primary context. */
+FAKECUDA_API void fakecuda_set_device_count(int n);
+/* Capacity of every device, in bytes. */
+FAKECUDA_API void fakecuda_set_capacity(size_t bytes);
+
+/* The n-th cuMemAlloc call from now (n = 1: the next one) fails, once, with
+ * CUDA_ERROR_OUT_OF_MEMORY or the code set by fakecuda_fail_alloc_error. n <= 0 disarms. */
+FAKECUDA_API void fakecuda_fail_alloc_at(int n);
+/* The code injected failures return (default CUDA_ERROR_OUT_OF_MEMORY = 2); it stays set
+ * until changed or reset. Shared by fakecuda_fail_alloc_at and fakecuda_fail_create_at. */
+FAKECUDA_API void fakecuda_fail_alloc_error(int code);
+/* The same for cuMemCreate: the n-th call from now fails once. n <= 0 disarms. */
+FAKECUDA_API void fakecuda_fail_create_at(int n);
+
+/* Each event recorded from now on reports CUDA_ERROR_NOT_READY for its first k queries,
+ * then CUDA_SUCCESS (k = 0: complete as soon as recorded). */
+FAKECUDA_API void fakecuda_set_event_delay(int k);
+/* on != 0: events recorded from now on never complete by being queried; only
+ * fakecuda_complete_stream, fakecuda_complete_all, cuEventSynchronize or
+ * cuStreamSynchronize complete them. */
+FAKECUDA_API void fakecuda_set_manual_events(int on);
+/* Complete every pending event recorded on `stream` (a CUstream; NULL is the default
+ * stream), or on every stream. */
+FAKECUDA_API void fakecuda_complete_stream(void* stream);
+FAKECUDA_API void fakecuda_complete_all(void);
+
+/* Counters. bytes_in_use counts cuMemAlloc and cuMemCreate bytes of that device (a released
+ * handle counts until its last mapping is unmapped); live_allocations counts cuMemAlloc
+ * blocks not yet freed. num_allocs / num_frees count successful cuMemAlloc / cuMemFree since
+ * the last reset. live_events: created and not destroyed; pending_events: recorded and not
+ * yet complete. An out-of-range device gives 0. */
+FAKECUDA_API size_t fakecuda_bytes_in_use(int device);
+FAKECUDA_API int fakecuda_live_allocations(int device);
+FAKECUDA_API long long fakecuda_num_allocs(void);
+FAKECUDA_API long long fakecuda_num_frees(void);
+FAKECUDA_API int fakecuda_live_events(void);
+FAKECUDA_API int fakecuda_pending_events(void);
+
+/* Virtual-memory counters: physical handles not yet released and unmapped (of one device),
+ * mapped ranges, address reservations not yet freed. */
+FAKECUDA_API int fakecuda_live_handles(int device);
+FAKECUDA_API int fakecuda_live_mappings(void);
+FAKECUDA_API int fakecuda_live_reservations(void);
+/* Retain count of a device's primary context (cuDevicePrimaryCtxRetain minus Release). */
+FAKECUDA_API int fakecuda_primary_ctx_refcount(int device);
+/* 1 after a successful cuInit, 0 before it and after a reset. */
+FAKECUDA_API int fakecuda_initialized(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYMEMPLAN_FAKE_CUDA_H */

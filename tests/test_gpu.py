@@ -1,0 +1,91 @@
+"""pymemplan inside PyTorch on a real GPU. Skipped without one; benchmarks/gpu_check.py runs
+them on a GPU machine. Each test runs in a fresh process: the allocator must be chosen before
+CUDA is initialized."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def run(code: str, **env) -> str:
+    import os
+
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, env={**os.environ, **env}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_tensors_come_from_our_pool_and_stats_follow():
+    out = run("""
+        import pymemplan, torch
+        pymemplan.enable()
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        s = pymemplan.memory_stats()
+        assert s["allocated_bytes.all.current"] >= 64 << 20, s
+        assert s["reserved_bytes.all.current"] >= s["allocated_bytes.all.current"]
+        y = (x.float() + 1).sum()          # real kernels on our memory
+        assert int(y.item()) == (64 << 20)
+        del x
+        torch.cuda.synchronize()
+        pymemplan.empty_cache()
+        print(pymemplan.memory_stats()["allocated_bytes.all.current"] > 0)
+    """)
+    assert out.strip() in ("True", "False")
+
+
+def test_training_step_matches_native_numerics():
+    code = """
+        import torch, pymemplan{enable}
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
+        opt = torch.optim.Adam(m.parameters())
+        x = torch.randn(256, 512, device="cuda")
+        for _ in range(3):
+            m(x).square().mean().backward(); opt.step(); opt.zero_grad()
+        print(float(m(x).square().mean()))
+    """
+    ours = run(code.format(enable="; pymemplan.enable()"))
+    native = run(code.format(enable=""))
+    assert abs(float(ours) - float(native)) <= 1e-5 * abs(float(native))
+
+
+def test_oom_is_an_error_with_our_message():
+    out = run("""
+        import pymemplan, torch
+        pymemplan.enable()
+        pymemplan.set_memory_limit("256MiB")
+        try:
+            torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        except RuntimeError as e:
+            print("OOM:", e)
+    """)
+    assert "OOM: " in out and "pymemplan: out of memory" in out and "memory limit" in out
+
+
+def test_record_stream_keeps_memory_until_the_other_stream_is_done():
+    run("""
+        import pymemplan, torch
+        pymemplan.enable()
+        s = torch.cuda.Stream()
+        x = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(100_000_000)
+            x.add_(1)
+        x.record_stream(s)
+        ptr = x.data_ptr()
+        del x
+        y = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+        assert y.data_ptr() != ptr, "memory reused while another stream may use it"
+    """)

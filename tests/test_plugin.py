@@ -1,0 +1,217 @@
+"""libpymemplan_alloc.so's C ABI over the fake CUDA driver: the real CudaDevice code path,
+on CPUs. Each test runs in its own process, since the driver is loaded once per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pymemplan._core
+
+PKG = Path(pymemplan._core.__file__).resolve().parent
+PLUGIN = PKG / "libpymemplan_alloc.so"
+FAKE = PKG / "_testing" / "libfakecuda.so"
+MiB = 1 << 20
+
+PRELUDE = f"""
+import ctypes, json, threading
+MiB = 1 << 20
+fake = ctypes.CDLL({str(FAKE)!r}, mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL({str(PLUGIN)!r})
+lib.pymemplan_alloc.restype = ctypes.c_void_p
+lib.pymemplan_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.pymemplan_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.pymemplan_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+lib.pymemplan_last_error.restype = ctypes.c_char_p
+lib.pymemplan_stats_json.restype = ctypes.c_long
+lib.pymemplan_stats_json.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+lib.pymemplan_snapshot_json.restype = ctypes.c_long
+lib.pymemplan_snapshot_json.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+lib.pymemplan_set_memory_limit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+fake.fakecuda_bytes_in_use.restype = ctypes.c_size_t
+fake.fakecuda_num_allocs.restype = ctypes.c_longlong
+fake.fakecuda_complete_stream.argtypes = [ctypes.c_void_p]
+
+def read_json(fn, device=0):
+    n = fn(device, None, 0)
+    assert n >= 0, lib.pymemplan_last_error()
+    buf = ctypes.create_string_buffer(n + 1)
+    assert fn(device, buf, n + 1) == n
+    return json.loads(buf.value)
+
+def stats():
+    return read_json(lib.pymemplan_stats_json)
+
+def snapshot():
+    return read_json(lib.pymemplan_snapshot_json)
+
+def err():
+    return lib.pymemplan_last_error().decode()
+
+def alloc(n, stream=None):
+    return lib.pymemplan_alloc(n, 0, stream)
+
+def free(p, stream=None):
+    lib.pymemplan_free(p, 0, 0, stream)
+"""
+
+
+def run(body: str, *, config: str = "oom_action:null", **env) -> subprocess.CompletedProcess:
+    code = PRELUDE + f"assert lib.pymemplan_configure(b'pymemplan', {config.encode()!r}) == 0, err()\n"
+    code += textwrap.dedent(body)
+    environ = {**os.environ, "PYMEMPLAN_LIBCUDA": str(FAKE), "FAKECUDA_CAPACITY": str(256 * MiB),
+               **{k: str(v) for k, v in env.items()}}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=environ, timeout=120)
+
+
+def ok(body: str, **kw) -> str:
+    r = run(body, **kw)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+pytestmark = pytest.mark.skipif(not (PLUGIN.exists() and FAKE.exists()),
+                                reason="plugin or fake driver not built (reinstall the package)")
+
+
+def test_allocates_reuses_and_returns_memory_to_the_driver():
+    ok("""
+        p = alloc(3 * MiB)
+        assert p and p % 512 == 0
+        ctypes.memset(p, 7, 3 * MiB)   # the fake driver's memory is real host memory
+        q = alloc(100)
+        free(p)
+        assert alloc(3 * MiB) == p     # cached block reused, no new driver allocation
+        s = stats()
+        assert s["num_device_alloc"] == 2 and s["allocated_bytes.all.current"] == 3 * MiB + 512
+        assert fake.fakecuda_bytes_in_use(0) == s["reserved_bytes.all.current"]
+        free(p); free(q)
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_bytes_in_use(0) == 0 and stats()["reserved_bytes.all.current"] == 0
+        assert alloc(0) is None        # empty tensors own no memory
+    """)
+
+
+def test_block_waiting_on_an_event_is_not_handed_out_until_it_completes():
+    ok("""
+        fake.fakecuda_set_manual_events(1)
+        s0, s1 = ctypes.c_void_p(0x10), ctypes.c_void_p(0x20)
+        p = alloc(16 * MiB, s0)
+        lib.pymemplan_record_stream(p, s1)
+        free(p, s0)
+        assert snapshot()["segments"][0]["blocks"][0]["state"] == "active_pending_free"
+        q = alloc(16 * MiB, s0)
+        assert q != p
+        fake.fakecuda_complete_stream(s1)
+        r = alloc(16 * MiB, s0)
+        assert r == p, "block not reused after its event completed"
+    """)
+
+
+def test_oom_ladder_and_message():
+    out = ok("""
+        ps = [alloc(40 * MiB) for _ in range(6)]       # 240 of 256 MiB
+        for p in ps[:3]:
+            free(p)                                     # 120 MiB cached
+        big = alloc(200 * MiB)                          # ladder: release cache, retry -> fails
+        assert big is None
+        s = stats()
+        assert s["num_ooms"] == 1 and s["num_alloc_retries"] == 1
+        assert s["num_device_free"] == 3
+        print(err())
+        ok = alloc(100 * MiB)                           # after releasing cache this fits
+        assert ok
+    """)
+    for needle in ("out of memory", "tried to allocate 200.00 MiB", "Allocated 120.00 MiB",
+                   "reserved 120.00 MiB", "largest free block", "capacity 256.00 MiB"):
+        assert needle in out, (needle, out)
+
+
+def test_memory_limit():
+    out = ok("""
+        assert lib.pymemplan_set_memory_limit(0, 64 * MiB) == 0
+        assert alloc(48 * MiB)
+        assert alloc(32 * MiB) is None
+        print(err())
+    """)
+    assert "memory limit" in out
+
+
+def test_oom_raises_by_default():
+    # oom_action:raise throws std::runtime_error out of pymemplan_alloc: PyTorch turns it into a
+    # RuntimeError. Called from ctypes, nothing can catch it, so the process aborts with it.
+    r = run("alloc(1 << 40)", config="")
+    assert r.returncode != 0
+    assert "pymemplan: out of memory" in r.stderr
+
+
+def test_driver_failures_name_the_driver_error():
+    out = ok("""
+        fake.fakecuda_fail_alloc_error(1)      # CUDA_ERROR_INVALID_VALUE
+        fake.fakecuda_fail_alloc_at(1)
+        assert alloc(30 * MiB) is None
+        print(err())
+        assert alloc(30 * MiB)                 # the allocator still works afterwards
+    """)
+    assert "cuMemAlloc failed: CUDA_ERROR_INVALID_VALUE" in out
+
+
+def test_invalid_free_is_reported_and_harmless(capfd):
+    r = run("""
+        p = alloc(MiB)
+        free(p + 512)
+        print("after:", err())
+        free(p)
+        assert stats()["allocated_bytes.all.current"] == 0
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "points inside a block" in r.stderr and "after: " in r.stdout
+
+
+def test_concurrent_callers():
+    ok("""
+        errors = []
+        def work(seed):
+            import random
+            rng = random.Random(seed)
+            mine = []
+            try:
+                for _ in range(2000):
+                    if mine and rng.random() < 0.5:
+                        free(mine.pop())
+                    else:
+                        p = alloc(rng.randint(1, 256 * 1024))
+                        assert p, err()
+                        mine.append(p)
+                for p in mine:
+                    free(p)
+            except Exception as e:
+                errors.append(e)
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+        assert not errors, errors
+        assert stats()["allocated_bytes.all.current"] == 0
+    """, FAKECUDA_CAPACITY=1 << 30)
+
+
+def test_no_driver_is_a_clear_error_not_a_crash():
+    r = run("""
+        assert alloc(MiB) is None
+        print(err())
+        assert lib.pymemplan_device_count() == -1
+    """, PYMEMPLAN_LIBCUDA="/nonexistent/libcuda.so.1")
+    assert r.returncode == 0, r.stderr
+    assert "cannot load the CUDA driver /nonexistent/libcuda.so.1" in r.stdout
+
+
+def test_bad_config_is_rejected():
+    r = run("", config="max_split_size_mb:abc")
+    assert r.returncode != 0 and "bad value 'abc'" in r.stderr
+    r = run("", config="oom_action:explode")
+    assert r.returncode != 0 and "expected raise or null" in r.stderr
