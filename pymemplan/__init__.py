@@ -1,3 +1,53 @@
-"""pymemplan: make PyTorch training fit in GPU memory, and waste none of it."""
+"""pymemplan: make PyTorch training fit in GPU memory, and waste none of it.
+
+``pymemplan.enable()`` makes pymemplan's caching allocator PyTorch's CUDA allocator; see
+pymemplan.allocator for its stats, snapshots and known incompatibilities. With
+``PYMEMPLAN_ENABLE=1`` in the environment, ``import pymemplan`` enables it, configured by
+``PYMEMPLAN_ALLOC_CONF="key:value,..."`` (a ``policy:NAME`` item picks the policy).
+"""
+
+import os as _os
 
 __version__ = "0.1.0"
+
+# The allocator's functions, re-exported lazily: `import pymemplan` must stay cheap and
+# must not import torch, which would be wasted for the replay tools and the CLI.
+_ALLOCATOR_API = frozenset({
+    "PluginError", "PluginLoadError", "active_config", "empty_cache", "enable", "is_enabled",
+    "is_out_of_memory", "last_error", "library_path", "max_memory_allocated",
+    "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
+    "memory_summary", "oom_as_torch_error", "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats", "save_snapshot", "set_memory_limit", "snapshot",
+})
+
+
+# The planner's API, also lazy: `pymemplan.trace(model, inputs)` (pymemplan.planner).
+_PLANNER_API = frozenset({"trace", "MemoryTrace", "PlannerError", "UntraceableError"})
+
+
+def __getattr__(name):
+    if name in _ALLOCATOR_API:
+        from . import allocator
+
+        value = getattr(allocator, name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name in _PLANNER_API:
+        from . import planner
+
+        value = getattr(planner, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pymemplan' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _ALLOCATOR_API | _PLANNER_API)
+
+
+# Enabling at import lets a program use pymemplan without changing its code, and runs
+# before the program can initialize CUDA, after which PyTorch cannot swap allocators.
+if _os.environ.get("PYMEMPLAN_ENABLE") == "1":
+    from .allocator._enable import enable_from_environment as _enable_from_environment
+
+    _enable_from_environment()

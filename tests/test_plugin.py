@@ -151,6 +151,17 @@ def test_oom_raises_by_default():
     assert "pymemplan: out of memory" in r.stderr
 
 
+def test_try_alloc_never_throws_even_under_raise():
+    out = ok("""
+        lib.pymemplan_try_alloc.restype = ctypes.c_void_p
+        lib.pymemplan_try_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        assert lib.pymemplan_try_alloc(1 << 40, 0, None) is None
+        print(err())
+        assert lib.pymemplan_try_alloc(MiB, 0, None)
+    """, config="")
+    assert "pymemplan: out of memory" in out
+
+
 def test_driver_failures_name_the_driver_error():
     out = ok("""
         fake.fakecuda_fail_alloc_error(1)      # CUDA_ERROR_INVALID_VALUE

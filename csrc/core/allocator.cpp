@@ -783,7 +783,8 @@ std::string CachingAllocator::oom_message(std::size_t size, std::size_t rounded,
     << format_bytes(static_cast<long long>(device_->capacity()));
   if (limit_ != 0) m << ", memory limit " << format_bytes(static_cast<long long>(limit_));
   m << ".";
-  if (free_cached > 0 && largest_free < rounded) {
+  // Fragmentation is the cause only when the cached free bytes would have been enough.
+  if (free_cached >= static_cast<std::int64_t>(rounded) && largest_free < rounded) {
     m << " Free memory is fragmented: no free block is large enough for this request.";
   }
   return m.str();

@@ -70,7 +70,11 @@ PluginConfig parse_plugin_config(const std::string& policy, const std::string& c
       rest += rest.empty() ? item : "," + item;
     }
   }
-  PolicyConfig::parse(policy, rest);  // throws with the valid keys listed
+  try {
+    PolicyConfig::parse(policy, rest);  // throws with the policy's valid keys listed
+  } catch (const AllocatorError& e) {
+    throw AllocatorError(std::string(e.what()) + "; plugin key: oom_action (raise or null)");
+  }
   out.config = rest;
   return out;
 }
@@ -157,26 +161,29 @@ std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device) 
 
 extern "C" {
 
-void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
+void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
   if (size == 0) return nullptr;  // as PyTorch's own allocator: empty tensors own no memory
-  std::string failure;
   try {
     void* p = allocator_for(device).try_malloc(static_cast<std::int64_t>(size),
                                                reinterpret_cast<StreamId>(stream));
-    if (p != nullptr) return p;
-    failure = allocator_for(device).last_error();
+    if (p == nullptr) set_error(allocator_for(device).last_error());
+    return p;
   } catch (const std::exception& e) {
-    failure = std::string("pymemplan: allocation failed: ") + e.what();
+    set_error(std::string("pymemplan: allocation failed: ") + e.what());
   } catch (...) {
-    failure = "pymemplan: allocation failed";
-  }
-  set_error(failure);
-  if (plugin().raise_on_oom.load(std::memory_order_relaxed)) {
-    // Deliberately the one exception that leaves this library: PyTorch would otherwise wrap
-    // NULL in a tensor without an error. Its Python bindings turn this into a RuntimeError.
-    throw std::runtime_error(failure);
+    set_error("pymemplan: allocation failed");
   }
   return nullptr;
+}
+
+void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
+  void* p = pymemplan_try_alloc(size, device, stream);
+  if (p == nullptr && size != 0 && plugin().raise_on_oom.load(std::memory_order_relaxed)) {
+    // Deliberately the one exception that leaves this library: PyTorch would otherwise wrap
+    // NULL in a tensor without an error. Its Python bindings turn this into a RuntimeError.
+    throw std::runtime_error(last_error);
+  }
+  return p;
 }
 
 void pymemplan_free(void* ptr, ssize_t, int device, pymemplan_stream_t) {

@@ -33,6 +33,9 @@ void pymemplan_memory_fraction(double fraction, int device);
 void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream);
 
 /* --- The C API for Python (ctypes). Return 0 on success, -1 on error (see last_error). --- */
+/* As pymemplan_alloc, but never throws, whatever oom_action says: NULL with the message in
+ * pymemplan_last_error(). For callers that cannot catch C++ exceptions (ctypes, CuPy). */
+void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream);
 /* Policy name and config string ("key:value,..."), for allocators created after this call.
  * Fails if an allocator already exists or the config is invalid. */
 int pymemplan_configure(const char* policy, const char* config);

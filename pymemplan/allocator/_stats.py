@@ -1,0 +1,230 @@
+"""Stats and snapshots of the live plugin, in PyTorch's shapes.
+
+Under a pluggable allocator torch.cuda.memory_stats(), max_memory_allocated() and
+torch.cuda.memory._snapshot() cannot see inside the allocator; these functions read the
+same numbers from libpymemplan_alloc.so. None of them imports torch or initializes CUDA.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import re
+import sys
+from typing import Any
+
+from ..units import parse_bytes
+from . import _library
+
+_DEVICE_STRING = re.compile(r"^\s*(?:cuda(?::(\d+))?|(\d+))\s*$")
+
+
+def _current_device() -> int:
+    # Ask torch only if CUDA is already initialized there: torch.cuda.current_device() would
+    # otherwise initialize CUDA, and then pymemplan.enable() could no longer take effect.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return 0
+
+
+def device_index(device: Any = None) -> int:
+    """A CUDA device index from None (the current device), 3, "cuda:3", "cuda" or torch.device."""
+    if device is None:
+        return _current_device()
+    if isinstance(device, bool):
+        raise TypeError(f"not a CUDA device: {device!r}")
+    if isinstance(device, int):
+        index = device
+    elif isinstance(device, str):
+        m = _DEVICE_STRING.match(device)
+        if m is None:
+            raise ValueError(f"not a CUDA device: {device!r}; write 0, 'cuda' or 'cuda:0'")
+        digits = m.group(1) or m.group(2)
+        index = int(digits) if digits is not None else _current_device()
+    elif hasattr(device, "type") and hasattr(device, "index"):  # torch.device
+        if device.type != "cuda":
+            raise ValueError(f"not a CUDA device: {device!r}")
+        index = device.index if device.index is not None else _current_device()
+    else:
+        raise TypeError(f"not a CUDA device: {device!r}; pass an int, 'cuda:N' or a torch.device")
+    if index < 0:
+        raise ValueError(f"a CUDA device index cannot be negative: {device!r}")
+    return index
+
+
+def _all_devices() -> list[int]:
+    count = _library.load().pymemplan_device_count()
+    return list(range(count)) if count > 0 else [0]  # no driver: device 0 reports zeros
+
+
+def memory_stats(device: Any = None) -> "collections.OrderedDict[str, int]":
+    """torch.cuda.memory_stats() for pymemplan: the same keys, sorted as torch sorts them.
+
+    ``device`` here and in every function of this module: None (the current CUDA device, or
+    0 before CUDA is initialized), an index, "cuda:N" or a torch.device. A device pymemplan
+    has not allocated on yet reports zeros.
+    """
+    index = device_index(device)
+    lib = _library.load()
+    stats = _library.read_json(lib.pymemplan_stats_json, index, f"memory_stats(device={index})")
+    return collections.OrderedDict(sorted(stats.items()))
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes in blocks handed out now (torch.cuda.memory_allocated())."""
+    return memory_stats(device).get("allocated_bytes.all.current", 0)
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """Peak of memory_allocated() since the start or reset_peak_memory_stats()."""
+    return memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Bytes held from the device in segments, cached ones included (torch.cuda.memory_reserved())."""
+    return memory_stats(device).get("reserved_bytes.all.current", 0)
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    """Peak of memory_reserved() since the start or reset_peak_memory_stats()."""
+    return memory_stats(device).get("reserved_bytes.all.peak", 0)
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Set every "peak" stat to its current value."""
+    index = device_index(device)
+    _library.check(_library.load().pymemplan_reset_peak_stats(index),
+                   f"reset_peak_memory_stats(device={index})")
+
+
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    """Zero the "allocated"/"freed" totals, retries, OOMs and device alloc/free counts."""
+    index = device_index(device)
+    _library.check(_library.load().pymemplan_reset_accumulated_stats(index),
+                   f"reset_accumulated_memory_stats(device={index})")
+
+
+def set_memory_limit(limit: int | str | None, device: Any = None) -> None:
+    """Cap the bytes pymemplan reserves on a device: 20 << 30, "20GiB"; None or 0 lifts it.
+
+    A request that would go over it runs the OOM ladder (free cached segments, retry) and
+    then fails as an out-of-memory error whose message names the limit.
+    """
+    index = device_index(device)
+    nbytes = 0 if limit is None else parse_bytes(limit)
+    _library.check(_library.load().pymemplan_set_memory_limit(index, nbytes),
+                   f"set_memory_limit({limit!r}, device={index})")
+
+
+def empty_cache() -> None:
+    """Give every wholly free cached segment of every device back to the driver."""
+    _library.check(_library.load().pymemplan_empty_cache(-1), "empty_cache()")
+
+
+def last_error() -> str:
+    """The plugin's last error in this thread (e.g. the OOM message under oom_action:null), or ""."""
+    return _library.last_error()
+
+
+def snapshot(device: Any = None) -> dict[str, Any]:
+    """The allocator's segments and blocks, in torch.cuda.memory._snapshot() shape.
+
+    device=None takes every device, as torch's snapshot does; an index takes one. Each
+    segment carries "device". "device_traces" has one empty list per device: pymemplan
+    keeps no allocation history.
+    """
+    lib = _library.load()
+    devices = _all_devices() if device is None else [device_index(device)]
+    segments = []
+    for index in devices:
+        part = _library.read_json(lib.pymemplan_snapshot_json, index, f"snapshot(device={index})")
+        for segment in part["segments"]:
+            segment["device"] = index
+            segments.append(segment)
+    return {"segments": segments, "device_traces": [[] for _ in range(max(devices) + 1)]}
+
+
+def save_snapshot(path: str | os.PathLike[str]) -> None:
+    """Pickle snapshot() of every device to `path`, as torch.cuda.memory._dump_snapshot does.
+
+    Read it with `python -m torch.cuda._memory_viz stats PATH` or at pytorch.org/memory_viz.
+    """
+    data = snapshot()
+    with open(path, "wb") as f:
+        pickle.dump(data, f)
+
+
+# --- memory_summary: the layout of torch.cuda.memory_summary() ---
+
+_WIDTH = 75
+
+
+def _format_size(n: int, reference: int) -> str:
+    # The unit follows the row's first value, so a column of one row reads in one unit.
+    units = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    unit = 0
+    while unit + 1 < len(units) and reference >= 768 * 1024:
+        unit += 1
+        n //= 1024
+        reference //= 1024
+    return f"{n:6d} {units[unit]}"
+
+
+def _format_count(n: int, reference: int) -> str:
+    units = [" ", "K", "M"]
+    unit = 0
+    while unit + 1 < len(units) and reference >= 750 * 1000:
+        unit += 1
+        n //= 1000
+        reference //= 1000
+    return f"{n:7d} {units[unit]} "
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """A readable table of memory_stats(), laid out like torch.cuda.memory_summary()."""
+    index = device_index(device)
+    stats = memory_stats(index)
+
+    def line(text: str = "", fill: str = " ") -> str:
+        return "|" + text.ljust(_WIDTH, fill) + "|"
+
+    rule, double_rule = line(fill="-"), line(fill="=")
+    out = [double_rule,
+           line(f"pymemplan CUDA memory summary, device ID {index}".center(_WIDTH)),
+           rule,
+           line(f"  {'':9} CUDA OOMs: {stats.get('num_ooms', 0):<12d} | "
+                f"{'':6} cudaMalloc retries: {stats.get('num_alloc_retries', 0):<8d}"),
+           line(f"  {'':5} Device allocs: {stats.get('num_device_alloc', 0):<12d} | "
+                f"{'':12} Device frees: {stats.get('num_device_free', 0):<8d}"),
+           double_rule,
+           line("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ")]
+    metrics = [
+        ("allocated_bytes", "Allocated memory", _format_size),
+        ("active_bytes", "Active memory", _format_size),
+        ("requested_bytes", "Requested memory", _format_size),
+        ("reserved_bytes", "GPU reserved memory", _format_size),
+        ("inactive_split_bytes", "Inactive split memory", _format_size),
+        ("allocation", "Allocations", _format_count),
+        ("active", "Active allocs", _format_count),
+        ("segment", "GPU reserved segments", _format_count),
+        ("inactive_split", "Inactive split allocs", _format_count),
+    ]
+    columns = ("current", "peak", "allocated", "freed")
+    for key, name, fmt in metrics:
+        out.append(rule)
+        pools = [("all", name)]
+        if not abbreviated:
+            pools += [("large_pool", "      from large pool"), ("small_pool", "      from small pool")]
+        reference = [stats.get(f"{key}.all.{c}", 0) for c in columns]
+        for pool, label in pools:
+            cells = [fmt(stats.get(f"{key}.{pool}.{c}", 0), ref) for c, ref in zip(columns, reference)]
+            out.append(line(f" {label:<21} | " + " | ".join(cells) + " "))
+    for key, name in (("oversize_allocations", "Oversize allocations"),
+                      ("oversize_segments", "Oversize GPU segments")):
+        out.append(rule)
+        values = [stats.get(f"{key}.{c}", 0) for c in columns]
+        out.append(line(f" {name:<21} | " + " | ".join(_format_count(v, v) for v in values) + " "))
+    out.append(double_rule)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,469 @@
+"""pymemplan.allocator and pymemplan.cupy: the Python side of libpymemplan_alloc.so.
+
+Whatever changes process-wide state (PyTorch's allocator, the plugin's config and its
+per-device allocators) runs in a fresh interpreter. Tests that need the built plugin or
+the fake CUDA driver (pymemplan/_testing/libfakecuda.so) skip only when those files are
+missing; the fake driver makes the plugin's real CUDA code path run on CPUs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pymemplan
+from pymemplan.allocator import _config, _library, _stats
+
+HEADER = Path(__file__).resolve().parents[1] / "csrc" / "plugin" / "pymemplan_alloc.h"
+MiB = 1 << 20
+
+
+def plugin_path() -> str:
+    try:
+        return _library.library_path()
+    except _library.PluginLoadError:
+        pytest.skip("libpymemplan_alloc.so not built")
+
+
+def fake_driver_path() -> str:
+    plugin_path()
+    path = _library.fake_driver_path()
+    if path is None:
+        pytest.skip("libfakecuda.so (pymemplan/_testing) not built")
+    return path
+
+
+def run(code: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter; the caller's PYMEMPLAN_*/FAKECUDA_* do not leak in."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYMEMPLAN_", "FAKECUDA_"))}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, env={**base, **env}, timeout=120)
+    if check:
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+# The start of every fake-driver subprocess. oom_action:null because ctypes cannot catch the
+# C++ exception that oom_action:raise throws (it would abort the process).
+FAKE_PRELUDE = """
+import ctypes, gc, json, sys
+import pymemplan
+from pymemplan.allocator import _library, configure
+configure(oom_action="null")
+lib = _library.load()
+fake = ctypes.CDLL(_library.fake_driver_path())  # the plugin's driver: one shared state
+fake.fakecuda_bytes_in_use.restype = ctypes.c_size_t
+fake.fakecuda_bytes_in_use.argtypes = [ctypes.c_int]
+MiB = 1 << 20
+"""
+
+
+def run_fake(code: str, **env: str) -> subprocess.CompletedProcess:
+    return run(FAKE_PRELUDE + textwrap.dedent(code), PYMEMPLAN_LIBCUDA=fake_driver_path(), **env)
+
+
+# --- Pure Python: no torch, no plugin ---
+
+def test_config_keywords_become_the_plugin_string():
+    assert _config.format_config({"max_split_size_mb": 512, "release_before_grow": False,
+                                  "oom_action": "null"}) == \
+        "max_split_size_mb:512,release_before_grow:False,oom_action:null"
+    assert _config.parse_config(" policy:torch, max_split_size_mb:256 ,") == \
+        ("torch", {"max_split_size_mb": "256"})
+    assert _config.parse_config("") == (None, {})
+    with pytest.raises(ValueError, match="key:value"):
+        _config.parse_config("max_split_size_mb")
+    with pytest.raises(ValueError, match="twice"):
+        _config.parse_config("oom_action:null,oom_action:raise")
+    with pytest.raises(ValueError, match="cannot be empty or contain"):
+        _config.format_config({"max_split_size_mb": "1,2"})
+
+
+def test_same_effective_config_compares_equal():
+    # Defaults written out and spelling differences are the same allocator.
+    assert _config.canonical("pymemplan", {}) == \
+        _config.canonical("pymemplan", {"release_before_grow": "true", "oom_action": "raise"})
+    assert _config.canonical("pymemplan", {"max_split_size_mb": 512}) != \
+        _config.canonical("pymemplan", {"max_split_size_mb": 256})
+    assert _config.canonical("pymemplan", {}) != _config.canonical("pymemplan", {"oom_action": "null"})
+
+
+def test_device_arguments():
+    assert _stats.device_index(3) == 3
+    assert _stats.device_index("cuda:2") == 2
+    assert _stats.device_index("1") == 1
+    assert _stats.device_index("cuda") == _stats.device_index(None)
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        _stats.device_index("cpu")
+    with pytest.raises(ValueError, match="negative"):
+        _stats.device_index(-1)
+    with pytest.raises(TypeError):
+        _stats.device_index(1.5)
+    torch = pytest.importorskip("torch")
+    assert _stats.device_index(torch.device("cuda", 1)) == 1
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        _stats.device_index(torch.device("cpu"))
+
+
+def test_import_pymemplan_stays_cheap():
+    out = run("""
+        import sys, pymemplan
+        names = [pymemplan.enable, pymemplan.memory_stats, pymemplan.oom_as_torch_error]
+        assert "enable" in dir(pymemplan)
+        print("torch" in sys.modules, pymemplan.is_enabled())
+    """, PYMEMPLAN_ENABLE="0")
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_missing_library_says_how_to_fix_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(_library, "_package_dirs", lambda: [str(tmp_path)])
+    monkeypatch.setattr(_library, "_lib", None)
+    for call in (pymemplan.memory_stats, pymemplan.empty_cache, pymemplan.snapshot,
+                 lambda: pymemplan.set_memory_limit("1GiB"), pymemplan.enable):
+        with pytest.raises(_library.PluginLoadError, match="libpymemplan_alloc.so is missing") as e:
+            call()
+        assert "reinstall" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_cupy_missing_gives_the_install_command(monkeypatch):
+    import pymemplan.cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
+    with pytest.raises(ImportError, match=r"pip install cupy-cuda12x.*CUDA 12"):
+        pymemplan.cupy.use()
+
+
+def test_oom_as_torch_error_converts_only_our_oom():
+    torch = pytest.importorskip("torch")
+    message = "pymemplan: out of memory: tried to allocate 2.00 GiB (rounded to 2.00 GiB)"
+    with pytest.raises(torch.cuda.OutOfMemoryError) as e:
+        with pymemplan.oom_as_torch_error():
+            raise RuntimeError(message)
+    assert str(e.value) == message and isinstance(e.value.__cause__, RuntimeError)
+
+    @pymemplan.oom_as_torch_error()
+    def step():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access") as e:
+        step()
+    assert not isinstance(e.value, torch.cuda.OutOfMemoryError)
+    with pytest.raises(ValueError):
+        with pymemplan.oom_as_torch_error():
+            raise ValueError(message)  # only RuntimeErrors come from PyTorch's allocator path
+    assert pymemplan.is_out_of_memory(RuntimeError("Traceback...\n" + message))
+
+
+# --- The built plugin, no driver: configuration and the swap into PyTorch ---
+
+def test_ctypes_declares_every_function_of_the_header():
+    plugin_path()
+    lib = _library.load()
+    if HEADER.exists():  # a source checkout: the header is the contract
+        declared = set(re.findall(r"\b(pymemplan_\w+)\s*\(", HEADER.read_text()))
+        assert declared == set(_library.SIGNATURES)
+    for name, (restype, argtypes) in _library.SIGNATURES.items():
+        assert getattr(lib, name).restype is restype and getattr(lib, name).argtypes == argtypes
+
+
+def test_stats_of_an_unused_device_are_zero_and_buffers_grow():
+    plugin_path()
+    lib = _library.load()
+    small = _library.read_json(lib.pymemplan_stats_json, 5, "stats", initial=16)
+    assert small == dict(pymemplan.memory_stats(5))
+    assert small["reserved_bytes.all.current"] == 0 and len(small) > 100
+    with pytest.raises(_library.PluginError, match="invalid device"):
+        pymemplan.memory_stats(100_000)
+
+
+def test_bad_config_is_a_value_error_listing_the_valid_keys():
+    plugin_path()
+    with pytest.raises(ValueError, match="unknown key 'bogus'") as e:
+        pymemplan.enable(bogus=1)  # fails in the plugin's configure, before PyTorch is touched
+    assert "max_split_size_mb" in str(e.value) and "oom_action" in str(e.value)
+    with pytest.raises(ValueError, match="oom_action"):
+        pymemplan.enable(oom_action="maybe")
+    with pytest.raises(ValueError, match="valid policies"):
+        pymemplan.enable(policy="fancy")
+    assert not pymemplan.is_enabled()
+
+
+def test_enable_installs_our_library_into_torch():
+    plugin_path()
+    pytest.importorskip("torch")
+    run("""
+        import ctypes, torch
+        captured = []
+        real = torch._C._cuda_customAllocator
+        def spy(alloc_fn, free_fn):  # what CUDAPluggableAllocator hands to PyTorch
+            captured.append((alloc_fn, free_fn))
+            return real(alloc_fn, free_fn)
+        torch._C._cuda_customAllocator = spy
+
+        import pymemplan
+        from pymemplan.allocator import _enable
+        assert not pymemplan.is_enabled()
+        pymemplan.enable(max_split_size_mb=256)
+        assert pymemplan.is_enabled()
+
+        lib = ctypes.CDLL(pymemplan.library_path())
+        ours = tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value
+                     for f in ("pymemplan_alloc", "pymemplan_free"))
+        assert captured == [ours], (captured, ours)
+        current = torch.cuda.memory._get_current_allocator().allocator()
+        assert current is _enable._state.torch_allocator.allocator()
+        exposed = tuple(s for s, _ in _enable._OPTIONAL_HOOKS if hasattr(current, s))
+        assert _enable._state.hooks == exposed, (_enable._state.hooks, exposed)
+
+        pymemplan.enable(max_split_size_mb=256)                            # same: no-op
+        pymemplan.enable(max_split_size_mb="256", release_before_grow=True)  # same, spelled out
+        assert len(captured) == 1
+        try:
+            pymemplan.enable(max_split_size_mb=512)
+            raise AssertionError("a different config was accepted")
+        except RuntimeError as e:
+            assert "already the active CUDA allocator" in str(e), e
+            assert "max_split_size_mb:256" in str(e) and "max_split_size_mb:512" in str(e), e
+        assert pymemplan.active_config() == {"policy": "pymemplan", "max_split_size_mb": "256"}
+    """)
+
+
+def test_enable_from_the_environment():
+    plugin_path()
+    pytest.importorskip("torch")
+    out = run("""
+        import json, sys, pymemplan
+        print(json.dumps([pymemplan.is_enabled(), pymemplan.active_config()]))
+    """, PYMEMPLAN_ENABLE="1", PYMEMPLAN_ALLOC_CONF="policy:torch, max_split_size_mb:256,oom_action:null")
+    assert json.loads(out.stdout) == [
+        True, {"policy": "torch", "max_split_size_mb": "256", "oom_action": "null"}]
+
+    bad = run("import pymemplan", check=False, PYMEMPLAN_ENABLE="1",
+              PYMEMPLAN_ALLOC_CONF="max_split_size_mb:256,bogus:1")
+    assert bad.returncode != 0
+    assert "ValueError: PYMEMPLAN_ALLOC_CONF='max_split_size_mb:256,bogus:1'" in bad.stderr
+    assert "unknown key 'bogus'" in bad.stderr and "valid keys" in bad.stderr
+
+
+def test_enable_after_cuda_is_initialized_explains_both_fixes():
+    plugin_path()
+    pytest.importorskip("torch")
+    out = run("""
+        import json, torch, pymemplan
+        # Another allocator got there first: PyTorch refuses the swap, we explain why.
+        torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(
+            pymemplan.library_path(), "pymemplan_alloc", "pymemplan_free"))
+        try:
+            pymemplan.enable()
+        except RuntimeError as e:
+            refused = str(e)
+        # CUDA initialized first (emulated: no GPU here).
+        torch.cuda._initialized = True
+        try:
+            pymemplan.enable(max_split_size_mb=256)
+        except RuntimeError as e:
+            too_late = str(e)
+        print(json.dumps([refused, too_late, pymemplan.is_enabled()]))
+    """)
+    refused, too_late, enabled = json.loads(out.stdout)
+    assert not enabled
+    assert "refused" in refused and "CUDA is already initialized in this process" in too_late
+    for message in (refused, too_late):
+        assert "call pymemplan.enable() first thing" in message, message
+        assert "PYMEMPLAN_ENABLE=1" in message and "PYMEMPLAN_ALLOC_CONF=" in message, message
+    assert 'PYMEMPLAN_ALLOC_CONF="max_split_size_mb:256"' in too_late
+
+
+def test_enable_warns_once_about_cudnn_benchmark():
+    plugin_path()
+    pytest.importorskip("torch")
+    out = run("""
+        import warnings, torch, pymemplan
+        torch.backends.cudnn.benchmark = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda._initialized = True
+            try:
+                pymemplan.enable()  # too late, after the warning
+            except RuntimeError:
+                pass
+            torch.cuda._initialized = False
+            pymemplan.enable()
+        print("\\n".join(str(w.message) for w in caught))
+    """)
+    lines = [line for line in out.stdout.splitlines() if "cudnn" in line]
+    assert len(lines) == 1 and "cacheInfo" in lines[0] and "= False" in lines[0]
+
+
+# --- The live plugin over the fake CUDA driver ---
+
+def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
+    path = tmp_path / "snapshot.pickle"
+    run_fake(f"""
+        from pymemplan import _core
+        p = lib.pymemplan_alloc(3 * MiB, 0, None)
+        q = lib.pymemplan_alloc(300, 0, None)
+        r = lib.pymemplan_alloc(12 * MiB, 1, None)
+        assert p and q and r, pymemplan.last_error()
+        ctypes.memset(p, 0xAB, 3 * MiB)  # real memory behind it
+
+        stats = pymemplan.memory_stats()
+        assert list(stats) == sorted(stats)  # as torch.cuda.memory_stats() orders them
+        assert set(stats) == set(_core.Allocator(_core.SimulatedDevice(1 << 30)).stats())
+        assert stats == pymemplan.memory_stats(0) == pymemplan.memory_stats("cuda:0")
+        assert stats["requested_bytes.all.current"] == 3 * MiB + 300
+        assert pymemplan.memory_allocated() == stats["allocated_bytes.all.current"] >= 3 * MiB + 300
+        assert pymemplan.max_memory_allocated() == stats["allocated_bytes.all.peak"]
+        assert pymemplan.memory_reserved() == fake.fakecuda_bytes_in_use(0) > 0
+        assert pymemplan.max_memory_reserved() == stats["reserved_bytes.all.peak"]
+        assert pymemplan.memory_allocated(1) == 12 * MiB
+
+        snap = pymemplan.snapshot()
+        assert len(snap["device_traces"]) == 2
+        assert {{s["device"] for s in snap["segments"]}} == {{0, 1}}
+        blocks = {{b["address"]: b for s in snap["segments"] for b in s["blocks"]}}
+        assert blocks[p]["state"] == "active_allocated" and blocks[p]["requested_size"] == 3 * MiB
+        assert blocks[r]["size"] == 12 * MiB
+        one = pymemplan.snapshot(1)
+        assert [s["device"] for s in one["segments"]] == [1] and len(one["device_traces"]) == 2
+        assert sum(s["total_size"] for s in pymemplan.snapshot(0)["segments"]) == \\
+            pymemplan.memory_reserved(0)
+        pymemplan.save_snapshot({str(path)!r})
+
+        summary = pymemplan.memory_summary()
+        for row in ("device ID 0", "CUDA OOMs: 0", "Device allocs: 2", "Allocated memory",
+                    "Active memory", "Requested memory", "GPU reserved memory",
+                    "Inactive split memory", "from large pool", "from small pool",
+                    "Tot Freed", "Oversize GPU segments"):
+            assert row in summary, (row, summary)
+        assert "from small pool" not in pymemplan.memory_summary(abbreviated=True)
+
+        lib.pymemplan_free(p, 3 * MiB, 0, None)
+        lib.pymemplan_free(q, 300, 0, None)
+        assert pymemplan.memory_allocated() == 0 and pymemplan.memory_reserved() > 0  # cached
+        pymemplan.reset_peak_memory_stats()
+        assert pymemplan.max_memory_allocated() == 0
+        pymemplan.reset_accumulated_memory_stats()
+        s = pymemplan.memory_stats()
+        assert s["allocated_bytes.all.allocated"] == 0 and s["num_device_alloc"] == 0
+        pymemplan.empty_cache()  # every device; device 1 still holds r
+        assert pymemplan.memory_reserved(0) == fake.fakecuda_bytes_in_use(0) == 0
+        assert pymemplan.memory_reserved(1) == fake.fakecuda_bytes_in_use(1) > 0
+    """, FAKECUDA_DEVICE_COUNT="2", FAKECUDA_CAPACITY="1GiB")
+
+    # What torch.cuda.memory._dump_snapshot writes, and its viewer reads.
+    torch = pytest.importorskip("torch")
+    from torch.cuda import _memory_viz
+
+    data = pickle.loads(path.read_bytes())
+    assert "segments: 3" in _memory_viz.segsum(data)
+    assert "active_allocated" in _memory_viz.segments(data, format_flamegraph=lambda text: text)
+    assert "<html" in _memory_viz.segment_plot(data).lower()
+    cli = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "total_reserved" in cli.stdout, cli.stderr
+    del torch
+
+
+def test_oom_under_oom_action_null_returns_null_with_a_full_message():
+    run_fake("""
+        keep = lib.pymemplan_alloc(3 * MiB, 0, None)
+        assert keep, pymemplan.last_error()
+        assert not lib.pymemplan_alloc(128 * MiB, 0, None)  # over the 64 MiB device
+        message = pymemplan.last_error()
+        for part in ("pymemplan: out of memory", "tried to allocate 128.00 MiB",
+                     "Allocated 3.00 MiB", "reserved", "largest free block",
+                     "capacity 64.00 MiB"):
+            assert part in message, (part, message)
+        assert pymemplan.memory_stats()["num_ooms"] == 1
+
+        lib.pymemplan_free(keep, 3 * MiB, 0, None)
+        pymemplan.empty_cache()
+        pymemplan.set_memory_limit("16MiB")
+        a = lib.pymemplan_alloc(12 * MiB, 0, None)  # a 12 MiB segment of its own
+        assert a, pymemplan.last_error()
+        assert not lib.pymemplan_alloc(12 * MiB, 0, None), "24 MiB reserved > the 16 MiB limit"
+        assert "memory limit 16.00 MiB" in pymemplan.last_error(), pymemplan.last_error()
+        pymemplan.set_memory_limit(None)
+        assert lib.pymemplan_alloc(12 * MiB, 0, None), pymemplan.last_error()
+    """, FAKECUDA_CAPACITY="64MiB")
+
+
+def test_cupy_allocates_from_the_pool():
+    run_fake("""
+        import types, warnings
+        calls = []
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id):
+                self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.mem, self.ptr = mem, mem.ptr + offset
+
+        class OutOfMemoryError(MemoryError):
+            def __init__(self, size, total, limit=0):
+                super().__init__(f"Out of memory allocating {size} bytes")
+
+        cuda = types.SimpleNamespace(
+            UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+            memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+            set_allocator=lambda fn: calls.append(fn))
+        sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)
+        import pymemplan.cupy
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pymemplan.cupy.use()
+        assert not caught, [str(w.message) for w in caught]
+        malloc, = calls
+
+        mp = malloc(5 * MiB)
+        assert mp.ptr and mp.mem.size == 5 * MiB and mp.mem.device_id == 0
+        ctypes.memset(mp.ptr, 1, 5 * MiB)
+        assert pymemplan.memory_stats()["requested_bytes.all.current"] == 5 * MiB
+        del mp
+        gc.collect()
+        assert pymemplan.memory_allocated() == 0, "freed when CuPy dropped the memory"
+
+        empty = malloc(0)
+        assert empty.ptr == 0 and pymemplan.memory_allocated() == 0
+        try:
+            malloc(1 << 40)
+            raise AssertionError("no OOM")
+        except OutOfMemoryError as e:
+            assert str(e).startswith("pymemplan: out of memory"), e
+
+        cuda.runtime.getDevice = lambda: 7  # the fake driver has one device
+        try:
+            malloc(MiB)
+            raise AssertionError("no error")
+        except RuntimeError as e:  # a failure, but not an out-of-memory
+            assert "pymemplan: allocation failed" in str(e), e
+        cuda.runtime.getDevice = lambda: 0
+
+        # oom_action:raise is for PyTorch; CuPy goes through pymemplan_try_alloc and still
+        # gets a clean OutOfMemoryError instead of an exception ctypes cannot catch.
+        configure(oom_action="raise")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pymemplan.cupy.use()
+        assert not caught, [str(w.message) for w in caught]
+        try:
+            calls[-1](1 << 40)
+            raise AssertionError("no OOM")
+        except OutOfMemoryError as e:
+            assert str(e).startswith("pymemplan: out of memory"), e
+    """)
