@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "allocator_api.hpp"
 #include "block.hpp"
 #include "config.hpp"
 #include "device.hpp"
@@ -36,44 +37,46 @@ struct LargestFirst {
   }
 };
 
-class CachingAllocator {
+class CachingAllocator : public Allocator {
  public:
   CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config);
-  ~CachingAllocator();
+  ~CachingAllocator() override;
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   // Memory for `size` bytes used on `stream`. Throws AllocatorError for size <= 0 and
   // OutOfMemoryError (after releasing cache and retrying) when it cannot be served.
-  void* malloc(std::int64_t size, StreamId stream);
+  void* malloc(std::int64_t size, StreamId stream) override;
   // As malloc, but returns nullptr on out-of-memory and leaves the message in last_error().
   // For callers that must not throw (the C ABI). Still throws AllocatorError on misuse.
-  void* try_malloc(std::int64_t size, StreamId stream);
+  void* try_malloc(std::int64_t size, StreamId stream) override;
   // Throws AllocatorError for a pointer this allocator did not hand out or already freed.
-  void free(void* ptr);
+  void free(void* ptr) override;
   // The block holding `ptr` is also used on `stream`: it is not reused until work queued on
   // `stream` at free time has completed.
-  void record_stream(void* ptr, StreamId stream);
+  void record_stream(void* ptr, StreamId stream) override;
   // Whether `ptr` is a live allocation of this allocator.
-  bool owns(const void* ptr) const;
+  bool owns(const void* ptr) const override;
   // Wait for pending frees, then give every wholly free segment back to the device.
-  void empty_cache();
+  void empty_cache() override;
 
   // Limit on reserved bytes; 0 removes it. A fraction is of the device capacity.
-  void set_memory_limit(std::size_t bytes);
-  void set_memory_fraction(double fraction);
-  std::size_t memory_limit() const;
+  void set_memory_limit(std::size_t bytes) override;
+  void set_memory_fraction(double fraction) override;
+  std::size_t memory_limit() const override;
 
-  Stats stats() const;
-  void reset_peak_stats();
-  void reset_accumulated_stats();
-  std::vector<SegmentInfo> snapshot() const;
+  Stats stats() const override;
+  void reset_peak_stats() override;
+  void reset_accumulated_stats() override;
+  std::vector<SegmentInfo> snapshot() const override;
   // The size a request is rounded to under this policy.
-  std::size_t round_size(std::size_t size) const;
+  std::size_t round_size(std::size_t size) const override;
 
+  std::string policy_name() const override { return config_.policy_name(); }
+  std::string config_string() const override { return config_.to_string(); }
   const PolicyConfig& config() const { return config_; }
   Device& device() { return *device_; }
-  std::string last_error() const;
+  std::string last_error() const override;
 
  private:
   struct Pool {

@@ -5,10 +5,11 @@
 #include <unordered_map>
 
 #include "errors.hpp"
+#include "stats.hpp"
 
 namespace pymemplan {
 
-ReplayResult replay(CachingAllocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
+ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
                     const std::int64_t* size, const std::int64_t* stream, std::size_t n) {
   struct Live {
     void* address;  // nullptr: the allocation failed

@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "allocator.hpp"
+#include "allocator_api.hpp"
 
 namespace pymemplan {
 
@@ -26,7 +26,7 @@ struct ReplayResult {
 // that failed with OOM are skipped (the program would have crashed; the replay continues to
 // show how far each policy gets). Throws AllocatorError naming the event index for a free of
 // a pointer that is not live or an unknown action.
-ReplayResult replay(CachingAllocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
+ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
                     const std::int64_t* size, const std::int64_t* stream, std::size_t n);
 
 }  // namespace pymemplan

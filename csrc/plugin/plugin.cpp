@@ -13,7 +13,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "../core/allocator.hpp"
+#include "../core/allocator_api.hpp"
+#include "../core/config.hpp"
 #include "../core/errors.hpp"
 #include "../devices/cuda_device.hpp"
 
@@ -32,7 +33,7 @@ struct PluginConfig {
 struct Plugin {
   std::mutex mutex;  // guards creation and configuration; lookups are lock-free
   PluginConfig config;
-  std::array<std::atomic<CachingAllocator*>, kMaxDevices> allocators{};
+  std::array<std::atomic<Allocator*>, kMaxDevices> allocators{};
   std::atomic<bool> raise_on_oom{true};
 };
 
@@ -79,24 +80,24 @@ PluginConfig parse_plugin_config(const std::string& policy, const std::string& c
   return out;
 }
 
-CachingAllocator& allocator_for(int device) {
+Allocator& allocator_for(int device) {
   if (device < 0 || device >= kMaxDevices) {
     throw DeviceError("invalid CUDA device index " + std::to_string(device));
   }
   Plugin& p = plugin();
-  CachingAllocator* a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+  Allocator* a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
   if (a != nullptr) return *a;
   std::lock_guard<std::mutex> lock(p.mutex);
   a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
   if (a == nullptr) {
-    a = new CachingAllocator(std::make_shared<CudaDevice>(device),
-                             PolicyConfig::parse(p.config.policy, p.config.config));
+    a = make_allocator(std::make_shared<CudaDevice>(device), p.config.policy, p.config.config)
+            .release();  // owned by the plugin until exit
     p.allocators[static_cast<std::size_t>(device)].store(a, std::memory_order_release);
   }
   return *a;
 }
 
-CachingAllocator* existing_allocator(int device) {
+Allocator* existing_allocator(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   return plugin().allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
 }
@@ -207,7 +208,7 @@ void pymemplan_memory_fraction(double fraction, int device) {
 void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream) {
   const int rc = guarded([&] {
     for (int d = 0; d < kMaxDevices; ++d) {
-      CachingAllocator* a = existing_allocator(d);
+      Allocator* a = existing_allocator(d);
       if (a != nullptr && a->owns(ptr)) {
         a->record_stream(ptr, reinterpret_cast<StreamId>(stream));
         return;
@@ -239,7 +240,7 @@ long pymemplan_stats_json(int device, char* buf, std::size_t len) {
   long n = -1;
   guarded([&] {
     if (device < 0 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
-    CachingAllocator* a = existing_allocator(device);
+    Allocator* a = existing_allocator(device);
     n = write_out(stats_json(a != nullptr ? a->stats() : Stats{}), buf, len);
   });
   return n;
@@ -249,7 +250,7 @@ long pymemplan_snapshot_json(int device, char* buf, std::size_t len) {
   long n = -1;
   guarded([&] {
     if (device < 0 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
-    CachingAllocator* a = existing_allocator(device);
+    Allocator* a = existing_allocator(device);
     n = write_out(snapshot_json(a != nullptr ? a->snapshot() : std::vector<SegmentInfo>{}, device),
                   buf, len);
   });
@@ -258,13 +259,13 @@ long pymemplan_snapshot_json(int device, char* buf, std::size_t len) {
 
 int pymemplan_reset_peak_stats(int device) {
   return guarded([&] {
-    if (CachingAllocator* a = existing_allocator(device)) a->reset_peak_stats();
+    if (Allocator* a = existing_allocator(device)) a->reset_peak_stats();
   });
 }
 
 int pymemplan_reset_accumulated_stats(int device) {
   return guarded([&] {
-    if (CachingAllocator* a = existing_allocator(device)) a->reset_accumulated_stats();
+    if (Allocator* a = existing_allocator(device)) a->reset_accumulated_stats();
   });
 }
 
@@ -276,7 +277,7 @@ int pymemplan_empty_cache(int device) {
   return guarded([&] {
     for (int d = 0; d < kMaxDevices; ++d) {
       if (device >= 0 && d != device) continue;
-      if (CachingAllocator* a = existing_allocator(d)) a->empty_cache();
+      if (Allocator* a = existing_allocator(d)) a->empty_cache();
     }
   });
 }

@@ -6,7 +6,8 @@
 #include <memory>
 #include <string>
 
-#include "../core/allocator.hpp"
+#include "../core/allocator_api.hpp"
+#include "../core/config.hpp"
 #include "../core/errors.hpp"
 #include "../core/replay.hpp"
 #include "../devices/simulated_device.hpp"
@@ -60,10 +61,10 @@ py::dict snapshot_dict(const std::vector<SegmentInfo>& segments, StreamId) {
 }
 
 // A Python-facing allocator owns its device through a shared_ptr, so the device outlives it.
-std::unique_ptr<CachingAllocator> make_allocator(std::shared_ptr<SimulatedDevice> device,
-                                                 const std::string& policy,
-                                                 const std::string& config) {
-  return std::make_unique<CachingAllocator>(device, PolicyConfig::parse(policy, config));
+std::unique_ptr<Allocator> make_simulated_allocator(std::shared_ptr<SimulatedDevice> device,
+                                                    const std::string& policy,
+                                                    const std::string& config) {
+  return make_allocator(device, policy, config);
 }
 
 template <typename T>
@@ -127,38 +128,38 @@ PYBIND11_MODULE(_core, m) {
           "Complete the recorded events of one stream, or of all streams.")
       .def("fail_next_allocations", &SimulatedDevice::fail_next_allocations, py::arg("n"));
 
-  py::class_<CachingAllocator>(m, "Allocator")
-      .def(py::init(&make_allocator), py::arg("device"), py::arg("policy") = "pymemplan",
+  py::class_<Allocator>(m, "Allocator")
+      .def(py::init(&make_simulated_allocator), py::arg("device"), py::arg("policy") = "pymemplan",
            py::arg("config") = "", py::keep_alive<1, 2>())
       .def(
           "malloc",
-          [](CachingAllocator& a, std::int64_t size, StreamId stream) {
+          [](Allocator& a, std::int64_t size, StreamId stream) {
             return reinterpret_cast<std::uintptr_t>(a.malloc(size, stream));
           },
           py::arg("size"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
-          "free", [](CachingAllocator& a, std::uintptr_t p) { a.free(reinterpret_cast<void*>(p)); },
+          "free", [](Allocator& a, std::uintptr_t p) { a.free(reinterpret_cast<void*>(p)); },
           py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def(
           "record_stream",
-          [](CachingAllocator& a, std::uintptr_t p, StreamId s) {
+          [](Allocator& a, std::uintptr_t p, StreamId s) {
             a.record_stream(reinterpret_cast<void*>(p), s);
           },
           py::arg("ptr"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def("empty_cache", &CachingAllocator::empty_cache, py::call_guard<py::gil_scoped_release>())
-      .def("set_memory_limit", &CachingAllocator::set_memory_limit, py::arg("bytes"))
-      .def("set_memory_fraction", &CachingAllocator::set_memory_fraction, py::arg("fraction"))
-      .def_property_readonly("memory_limit", &CachingAllocator::memory_limit)
-      .def("stats", [](const CachingAllocator& a) { return stats_dict(a.stats()); })
-      .def("reset_peak_stats", &CachingAllocator::reset_peak_stats)
-      .def("reset_accumulated_stats", &CachingAllocator::reset_accumulated_stats)
-      .def("snapshot", [](const CachingAllocator& a) { return snapshot_dict(a.snapshot(), 0); })
-      .def("round_size", &CachingAllocator::round_size, py::arg("size"))
-      .def_property_readonly("last_error", &CachingAllocator::last_error)
+      .def("empty_cache", &Allocator::empty_cache, py::call_guard<py::gil_scoped_release>())
+      .def("set_memory_limit", &Allocator::set_memory_limit, py::arg("bytes"))
+      .def("set_memory_fraction", &Allocator::set_memory_fraction, py::arg("fraction"))
+      .def_property_readonly("memory_limit", &Allocator::memory_limit)
+      .def("stats", [](const Allocator& a) { return stats_dict(a.stats()); })
+      .def("reset_peak_stats", &Allocator::reset_peak_stats)
+      .def("reset_accumulated_stats", &Allocator::reset_accumulated_stats)
+      .def("snapshot", [](const Allocator& a) { return snapshot_dict(a.snapshot(), 0); })
+      .def("round_size", &Allocator::round_size, py::arg("size"))
+      .def_property_readonly("last_error", &Allocator::last_error)
       .def_property_readonly("policy",
-                             [](const CachingAllocator& a) { return a.config().policy_name(); })
+                             [](const Allocator& a) { return a.policy_name(); })
       .def_property_readonly("config",
-                             [](const CachingAllocator& a) { return a.config().to_string(); });
+                             [](const Allocator& a) { return a.config_string(); });
 
   m.def(
       "fuzz",
@@ -201,11 +202,11 @@ PYBIND11_MODULE(_core, m) {
           throw AllocatorError("replay: the trace columns differ in length");
         }
         auto device = std::make_shared<SimulatedDevice>(capacity, granularity, true);
-        CachingAllocator alloc(device, PolicyConfig::parse(policy, config));
+        std::unique_ptr<Allocator> alloc = make_allocator(device, policy, config);
         ReplayResult r;
         {
           py::gil_scoped_release release;
-          r = replay(alloc, action.data(), ptr.data(), size.data(), stream.data(), n);
+          r = replay(*alloc, action.data(), ptr.data(), size.data(), stream.data(), n);
         }
         py::dict d;
         d["events"] = r.events;

@@ -9,7 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../core/allocator.hpp"
+#include "../core/allocator_api.hpp"
+#include "../core/stats.hpp"
 #include "../core/errors.hpp"
 #include "../devices/simulated_device.hpp"
 
@@ -36,8 +37,8 @@ class Fuzzer {
       : o_(o),
         rng_(o.seed),
         device_(std::make_shared<SimulatedDevice>(o.capacity, 2 << 20, !o.manual_events)),
-        alloc_(device_, PolicyConfig::parse(o.policy, o.config)) {
-    if (o.limit) alloc_.set_memory_limit(o.limit);
+        alloc_(make_allocator(device_, o.policy, o.config)) {
+    if (o.limit) alloc_->set_memory_limit(o.limit);
   }
 
   FuzzReport run() {
@@ -75,14 +76,14 @@ class Fuzzer {
       do_free(random_live());
     } else if (dice < 950) {
       std::uintptr_t p = random_live();
-      alloc_.record_stream(reinterpret_cast<void*>(p), stream);
+      alloc_->record_stream(reinterpret_cast<void*>(p), stream);
       auto& b = live_.at(p);
       if (stream != b.stream) b.uses.insert(stream);
       ++r_.record_streams;
     } else if (dice < 998) {
       device_->complete_events(stream, rng_() % 4 == 0);
     } else {
-      alloc_.empty_cache();
+      alloc_->empty_cache();
       expect(device_->pending_events() == 0, "empty_cache left events pending");
       ++r_.empty_caches;
     }
@@ -96,10 +97,10 @@ class Fuzzer {
 
   void do_malloc(std::size_t size, StreamId stream) {
     ++r_.mallocs;
-    void* ptr = alloc_.try_malloc(static_cast<std::int64_t>(size), stream);
+    void* ptr = alloc_->try_malloc(static_cast<std::int64_t>(size), stream);
     if (ptr == nullptr) {
       ++r_.ooms;
-      expect(!alloc_.last_error().empty(), "OOM without a message");
+      expect(!alloc_->last_error().empty(), "OOM without a message");
       return;
     }
     const auto lo = reinterpret_cast<std::uintptr_t>(ptr);
@@ -128,7 +129,7 @@ class Fuzzer {
     index_[lo] = order_.size();
     order_.push_back(lo);
     r_.max_live_blocks = std::max(r_.max_live_blocks, live_.size());
-    const Stats s = alloc_.stats();
+    const Stats s = alloc_->stats();
     const std::int64_t reserved = s.reserved_bytes[kAllPools].current;
     if (o_.limit) expect(reserved <= static_cast<std::int64_t>(o_.limit), "reserved exceeds limit");
     expect(reserved <= static_cast<std::int64_t>(o_.capacity), "reserved exceeds capacity");
@@ -139,8 +140,8 @@ class Fuzzer {
     ++r_.frees;
     LiveBlock b = live_.at(p);
     const std::uint64_t t = device_->record_count();
-    alloc_.free(reinterpret_cast<void*>(p));
-    const std::uintptr_t hi = p + alloc_.round_size(b.size);
+    alloc_->free(reinterpret_cast<void*>(p));
+    const std::uintptr_t hi = p + alloc_->round_size(b.size);
     take_freed_overlapping(p, hi);  // stale records of memory since reused and freed again
     freed_.emplace(p, FreedRange{p, hi, b.stream, b.uses, t});
     live_.erase(p);
@@ -167,12 +168,12 @@ class Fuzzer {
 
   void full_check() {
     ++r_.full_checks;
-    const Stats s = alloc_.stats();
+    const Stats s = alloc_->stats();
     std::int64_t allocated = 0, reserved = 0, active = 0, requested = 0, inactive_split = 0;
     std::int64_t n_alloc = 0;
     std::size_t matched = 0;
     std::uintptr_t prev_end = 0;
-    for (const SegmentInfo& seg : alloc_.snapshot()) {
+    for (const SegmentInfo& seg : alloc_->snapshot()) {
       expect(seg.address >= prev_end, "segments overlap");
       prev_end = seg.address + seg.total_size;
       reserved += static_cast<std::int64_t>(seg.total_size);
@@ -210,8 +211,8 @@ class Fuzzer {
 
   void drain_to_zero() {
     while (!order_.empty()) do_free(order_.back());
-    alloc_.empty_cache();
-    const Stats s = alloc_.stats();
+    alloc_->empty_cache();
+    const Stats s = alloc_->stats();
     expect(s.reserved_bytes[kAllPools].current == 0, "reserved not 0 after freeing all + empty_cache");
     expect(s.active_bytes[kAllPools].current == 0, "active not 0 after freeing all + empty_cache");
     expect(device_->used() == 0 && device_->live_segments() == 0, "device still holds segments");
@@ -222,7 +223,7 @@ class Fuzzer {
   FuzzOptions o_;
   std::mt19937_64 rng_;
   std::shared_ptr<SimulatedDevice> device_;
-  CachingAllocator alloc_;
+  std::unique_ptr<Allocator> alloc_;
   std::uint64_t op_ = 0;
   std::unordered_map<std::uintptr_t, LiveBlock> live_;
   std::map<std::uintptr_t, std::uintptr_t> by_addr_;  // live [lo, hi)

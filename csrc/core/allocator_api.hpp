@@ -1,0 +1,51 @@
+// What every allocator of pymemplan offers its callers (the plugin, the Python module, the
+// replay engine): the caching allocator, and allocators composed on top of it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device.hpp"
+#include "snapshot.hpp"
+#include "stats.hpp"
+
+namespace pymemplan {
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+
+  // Memory for `size` bytes used on `stream`. Throws AllocatorError for size <= 0 and
+  // OutOfMemoryError (after the OOM ladder) when it cannot be served.
+  virtual void* malloc(std::int64_t size, StreamId stream) = 0;
+  // As malloc, but returns nullptr on out-of-memory with the message in last_error().
+  virtual void* try_malloc(std::int64_t size, StreamId stream) = 0;
+  // Throws AllocatorError for a pointer not handed out by this allocator, or freed already.
+  virtual void free(void* ptr) = 0;
+  virtual void record_stream(void* ptr, StreamId stream) = 0;
+  virtual bool owns(const void* ptr) const = 0;
+  virtual void empty_cache() = 0;
+
+  virtual void set_memory_limit(std::size_t bytes) = 0;  // 0: none
+  virtual void set_memory_fraction(double fraction) = 0;
+  virtual std::size_t memory_limit() const = 0;
+
+  virtual Stats stats() const = 0;
+  virtual void reset_peak_stats() = 0;
+  virtual void reset_accumulated_stats() = 0;
+  virtual std::vector<SegmentInfo> snapshot() const = 0;
+  virtual std::string last_error() const = 0;
+  virtual std::size_t round_size(std::size_t size) const = 0;
+  virtual std::string policy_name() const = 0;
+  virtual std::string config_string() const = 0;
+};
+
+// The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over
+// `device`. Throws AllocatorError naming a bad policy, key or value.
+std::unique_ptr<Allocator> make_allocator(std::shared_ptr<Device> device, const std::string& policy,
+                                          const std::string& config = "");
+
+}  // namespace pymemplan
