@@ -22,6 +22,8 @@ CONFIGS = [
     ("pymemplan", "", 4 * GiB, 0, 3, True),
     ("pymemplan", "max_split_size_mb:64", 16 * GiB, 3 * GiB, 4, True),
     ("pymemplan", "release_before_grow:False", 4 * GiB, 0, 2, False),
+    ("pymemplan-vmm", "", 4 * GiB, 0, 3, True),
+    ("pymemplan-vmm", "vmm_segment_mb:64", 16 * GiB, 3 * GiB, 4, True),
     ("torch", "", 4 * GiB, 0, 3, True),
     ("torch", "max_split_size_mb:64,roundup_power2_divisions:4", 16 * GiB, 3 * GiB, 4, True),
     ("nocache", "", 4 * GiB, 0, 3, True),

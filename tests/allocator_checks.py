@@ -46,8 +46,20 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
                 allocated_blocks[b["address"]] = b
         # Two free neighbours of the same owner would have been coalesced; we cannot see
         # owners in the snapshot, so only the allocated/free tiling is checked here.
+        # A virtual segment (vmm) holds only its mapped pages, and every page under an
+        # allocated or pending block must be mapped.
+        held = seg["mapped_size"] if seg.get("is_expandable") else seg["total_size"]
+        if seg.get("is_expandable"):
+            page = seg["page_size"]
+            assert sum(seg["page_mapped"]) * page == seg["mapped_size"]
+            for b in seg["blocks"]:
+                if b["state"] == "inactive":
+                    continue
+                first = (b["address"] - seg["address"]) // page
+                last = (b["address"] + b["size"] - 1 - seg["address"]) // page
+                assert all(seg["page_mapped"][first:last + 1]), "a live block has unmapped pages"
         for p in ("all", pool):
-            recount[f"reserved_bytes.{p}"] += seg["total_size"]
+            recount[f"reserved_bytes.{p}"] += held
             recount[f"segment.{p}"] += 1
         assert seg["allocated_size"] == sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
     for key, value in recount.items():
@@ -62,6 +74,15 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
     reserved = stats["reserved_bytes.all.current"]
     if limit:
         assert reserved <= limit, f"reserved {reserved} exceeds the limit {limit}"
-    assert device.live_segments == len(segments)
-    assert device.used >= reserved
-    assert stats["num_device_alloc"] - stats["num_device_free"] == len(segments)
+    virtual = [s for s in segments if s.get("is_expandable")]
+    classic = [s for s in segments if not s.get("is_expandable")]
+    mapped_pages = sum(sum(s["page_mapped"]) for s in virtual)
+    assert device.live_segments == len(classic)
+    assert device.live_reservations == len(virtual)
+    assert device.mapped_pages == device.live_pages == mapped_pages, "a page leaked or is unmapped"
+    # The device holds exactly the segments (each rounded up to its granularity) and pages.
+    g = device.granularity
+    footprint = sum(-(-x["total_size"] // g) * g for x in classic) + mapped_pages * g
+    assert device.used == footprint, (device.used, footprint)
+    assert reserved <= footprint
+    assert stats["num_device_alloc"] - stats["num_device_free"] == len(classic) + mapped_pages

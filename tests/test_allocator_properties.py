@@ -16,6 +16,8 @@ POLICIES = [
     ("torch", "max_split_size_mb:24,roundup_power2_divisions:4"),
     ("pymemplan", "max_split_size_mb:24"),
     ("pymemplan", "release_before_grow:False,cross_stream_reuse:False"),
+    ("pymemplan-vmm", ""),
+    ("pymemplan-vmm", "vmm_segment_mb:64,release_before_grow:False"),
     ("nocache", ""),
 ]
 STREAMS = st.sampled_from([0, 1, 2])

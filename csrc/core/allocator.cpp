@@ -44,6 +44,10 @@ std::string to_hex(std::uintptr_t addr) {
 CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config)
     : device_(std::move(device)), config_(config) {
   if (!device_) throw AllocatorError("CachingAllocator needs a device");
+  if (config_.vmm && !device_->supports_vmm()) {
+    throw AllocatorError("policy config asks for vmm, but this device has no virtual memory "
+                         "support; use policy 'pymemplan' or vmm:False");
+  }
   small_.small = true;
   stats_.max_split_size = config_.max_split_size == kNoLimit
                               ? -1
@@ -57,7 +61,16 @@ CachingAllocator::~CachingAllocator() {
     for (auto& p : pending_) device_->destroy_event(p.event);
     for (EventHandle e : event_pool_) device_->destroy_event(e);
     for (auto& [addr, seg] : segments_) {
-      device_->free_segment(reinterpret_cast<void*>(addr), seg->size);
+      if (!seg->vmm) {
+        device_->free_segment(reinterpret_cast<void*>(addr), seg->size);
+        continue;
+      }
+      for (std::size_t i = 0; i < seg->pages.size(); ++i) {
+        if (seg->pages[i] == 0) continue;
+        device_->unmap_page(reinterpret_cast<void*>(addr + i * device_->granularity()));
+        device_->release_page(seg->pages[i]);
+      }
+      device_->release_address(reinterpret_cast<void*>(addr), seg->size);
     }
   } catch (...) {
     // A destructor cannot report; the device is being torn down anyway.
@@ -231,6 +244,7 @@ void CachingAllocator::empty_cache() {
   // torch: emptyCache() -> release_cached_blocks(): synchronize outstanding events first so
   // blocks waiting on them can be released too.
   synchronize_and_free_events();
+  reclaim_pages(nullptr, 0, 0, kNoLimit);
   release_cached(kNoLimit);
 }
 
@@ -283,6 +297,12 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     s.total_size = seg->size;
     s.stream = seg->stream;
     s.segment_type = seg->small ? "small" : "large";
+    if (seg->vmm) {
+      s.is_virtual = true;
+      s.page_size = device_->granularity();
+      s.mapped_size = seg->mapped * s.page_size;
+      for (PageHandle h : seg->pages) s.page_mapped.push_back(h != 0);
+    }
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
       BlockInfo info;
       info.address = b->addr;
@@ -318,13 +338,29 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
     return nullptr;
   }
   Pool& pool = pool_for(rounded);
+  const bool virtual_memory = config_.vmm && !pool.small;
   Block* b = find_free_block(pool, rounded, stream);
-  if (b == nullptr && pool.small && config_.kind == PolicyKind::Pymemplan) {
+  if (b == nullptr && pool.small && config_.kind == PolicyKind::Pymemplan && !config_.vmm) {
     b = find_large_pool_fragment(rounded, stream);
   }
   if (b == nullptr && config_.cross_stream_reuse) {
     drain_other_streams(pool, stream);
     b = find_free_block(pool, rounded, stream);
+  }
+  if (virtual_memory) {
+    // ours (vmm): address space is free; only the pages under the block cost memory.
+    if (b == nullptr) b = new_virtual_segment(rounded, stream);
+    if (!back(b, rounded)) {
+      insert_free(b);
+      ++stats_.num_ooms;
+      *oom = oom_message(size, rounded, stream,
+                         limit_ != 0 && reserved_ + static_cast<std::int64_t>(rounded) >
+                                            static_cast<std::int64_t>(limit_)
+                             ? "the pages it needs would exceed the memory limit"
+                             : "the device has no free pages for it");
+      return nullptr;
+    }
+    return take(b, rounded, size, stream);
   }
   if (b == nullptr) {
     const std::size_t seg = segment_size(rounded);
@@ -540,12 +576,21 @@ void CachingAllocator::erase_free(Block* b) {
 void CachingAllocator::release_segment(Block* b) {
   // `b` spans its whole segment, is free and listed nowhere.
   Segment* seg = b->segment;
-  device_->free_segment(reinterpret_cast<void*>(seg->addr), seg->size);
-  reserved_ -= static_cast<std::int64_t>(seg->size);
+  if (seg->vmm) {
+    // Queued work of the block's owner may still touch its pages: wait before unmapping.
+    if (seg->mapped != 0 && b->stream != kAnyStream) synchronize_stream(b->stream);
+    for (std::size_t i = 0; i < seg->pages.size(); ++i) {
+      if (seg->pages[i] != 0) unmap_page(seg, i);
+    }
+    device_->release_address(reinterpret_cast<void*>(seg->addr), seg->size);
+  } else {
+    device_->free_segment(reinterpret_cast<void*>(seg->addr), seg->size);
+    reserved_ -= static_cast<std::int64_t>(seg->size);
+    update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(seg->size));
+    ++stats_.num_device_free;
+  }
   update_stat(&Stats::segment, seg->small, -1);
-  update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(seg->size));
-  if (seg->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
-  ++stats_.num_device_free;
+  if (!seg->vmm && seg->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
   segments_.erase(seg->addr);
   delete seg;
   delete_block(b);
@@ -559,12 +604,152 @@ void CachingAllocator::collapse_free_segments() {
     Block* head = seg->head;
     if (head->next == nullptr) continue;
     bool all_free = true;
-    for (Block* b = head; b != nullptr && all_free; b = b->next) all_free = b->is_free();
+    // Listed, not merely free: a block being handed out is free but already off the lists.
+    for (Block* b = head; b != nullptr && all_free; b = b->next) all_free = b->listed;
     if (!all_free) continue;
     for (Block* b = head; b != nullptr; b = b->next) erase_free(b);
     while (head->next != nullptr) merge(head, head->next);
     insert_free(head);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Virtual memory
+
+Block* CachingAllocator::new_virtual_segment(std::size_t rounded, StreamId stream) {
+  const std::size_t page = device_->granularity();
+  const std::size_t bytes = round_up(std::max(rounded, config_.vmm_segment), page);
+  void* ptr = device_->reserve_address(bytes);
+  auto* seg = new Segment;
+  seg->addr = reinterpret_cast<std::uintptr_t>(ptr);
+  seg->size = bytes;
+  seg->stream = stream;
+  seg->vmm = true;
+  seg->pages.assign(bytes / page, 0);
+  Block* b = new_block();
+  b->addr = seg->addr;
+  b->size = bytes;
+  b->stream = stream;
+  b->segment = seg;
+  seg->head = b;
+  segments_.emplace(seg->addr, seg);
+  update_stat(&Stats::segment, false, 1);
+  return b;
+}
+
+bool CachingAllocator::back(Block* b, std::size_t rounded) {
+  // Map the pages under [b->addr, b->addr + rounded) that are not mapped yet, following
+  // the same ladder as segments: first without raising the peak, then after giving back
+  // everything unused. Nothing changes when it fails.
+  Segment* seg = b->segment;
+  const std::size_t page = device_->granularity();
+  const std::uintptr_t lo = b->addr, hi = b->addr + rounded;
+  std::size_t missing = 0;
+  for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
+    missing += seg->pages[i] == 0;
+  }
+  if (missing == 0) return true;
+  const auto need = static_cast<std::int64_t>(missing * page);
+  if (reserved_ + need > reserved_hwm_) {
+    // ours: unused pages under free blocks, then cached segments, go back before the peak rises.
+    const auto over = static_cast<std::size_t>(reserved_ + need - reserved_hwm_);
+    const std::size_t got = reclaim_pages(seg, lo, hi, over);
+    if (got < over && config_.release_before_grow) release_cached(over - got);
+  }
+  if (map_pages(seg, lo, hi)) return true;
+  synchronize_and_free_events();
+  reclaim_pages(seg, lo, hi, kNoLimit);
+  release_cached(kNoLimit);
+  ++stats_.num_alloc_retries;
+  return map_pages(seg, lo, hi);
+}
+
+bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi) {
+  const std::size_t page = device_->granularity();
+  std::vector<std::size_t> mapped_now;
+  for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
+    if (seg->pages[i] != 0) continue;
+    PageHandle h = 0;
+    if (limit_ == 0 || static_cast<std::size_t>(reserved_) + page <= limit_) h = device_->create_page();
+    if (h == 0) {
+      for (std::size_t j : mapped_now) unmap_page(seg, j);  // all or nothing
+      return false;
+    }
+    device_->map_page(reinterpret_cast<void*>(seg->addr + i * page), h);
+    seg->pages[i] = h;
+    ++seg->mapped;
+    mapped_now.push_back(i);
+    reserved_ += static_cast<std::int64_t>(page);
+    reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+    update_stat(&Stats::reserved_bytes, false, static_cast<std::int64_t>(page));
+    ++stats_.num_device_alloc;
+  }
+  return true;
+}
+
+void CachingAllocator::unmap_page(Segment* seg, std::size_t i) {
+  const std::size_t page = device_->granularity();
+  device_->unmap_page(reinterpret_cast<void*>(seg->addr + i * page));
+  device_->release_page(seg->pages[i]);
+  seg->pages[i] = 0;
+  --seg->mapped;
+  reserved_ -= static_cast<std::int64_t>(page);
+  update_stat(&Stats::reserved_bytes, false, -static_cast<std::int64_t>(page));
+  ++stats_.num_device_free;
+}
+
+std::vector<bool> CachingAllocator::pages_in_use(const Segment* seg) const {
+  // A page is in use while any allocated block, or a freed one still waiting on events,
+  // overlaps it.
+  const std::size_t page = device_->granularity();
+  std::vector<bool> used(seg->pages.size(), false);
+  for (const Block* b = seg->head; b != nullptr; b = b->next) {
+    if (!b->allocated && b->pending_events == 0) continue;
+    for (std::size_t i = (b->addr - seg->addr) / page; i <= (b->addr + b->size - 1 - seg->addr) / page; ++i) {
+      used[i] = true;
+    }
+  }
+  return used;
+}
+
+std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t keep_lo,
+                                            std::uintptr_t keep_hi, std::size_t want) {
+  // Unmaps pages no live block touches (but those under [keep_lo, keep_hi) of `keep`, about
+  // to be used) and gives them back to the device, until `want` bytes are reclaimed.
+  const std::size_t page = device_->granularity();
+  std::size_t reclaimed = 0;
+  for (auto& [addr, seg] : segments_) {
+    if (!seg->vmm || seg->mapped == 0) continue;
+    if (reclaimed >= want) break;
+    const std::vector<bool> used = pages_in_use(seg);
+    std::vector<std::size_t> victims;
+    for (std::size_t i = 0; i < seg->pages.size() && reclaimed + victims.size() * page < want; ++i) {
+      if (seg->pages[i] == 0 || used[i]) continue;
+      const std::uintptr_t plo = seg->addr + i * page;
+      if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
+      victims.push_back(i);
+    }
+    if (victims.empty()) continue;
+    // The owners of free blocks over these pages may still have queued work on them.
+    std::vector<StreamId> owners;
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->is_free() && b->stream != kAnyStream &&
+          std::find(owners.begin(), owners.end(), b->stream) == owners.end()) {
+        owners.push_back(b->stream);
+      }
+    }
+    for (StreamId s : owners) synchronize_stream(s);
+    for (std::size_t i : victims) unmap_page(seg, i);
+    reclaimed += victims.size() * page;
+  }
+  return reclaimed;
+}
+
+void CachingAllocator::synchronize_stream(StreamId stream) {
+  EventHandle e = get_event();
+  device_->record_event(e, stream);
+  device_->synchronize_event(e);
+  return_event(e);
 }
 
 std::size_t CachingAllocator::release_cached(std::size_t needed) {

@@ -101,6 +101,15 @@ class CachingAllocator : public Allocator {
   Block* best_fit(Pool& pool, std::size_t rounded, StreamId key);
   bool acceptable(const Block* block, std::size_t rounded) const;
   Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
+  // Virtual memory (config_.vmm, large pool).
+  Block* new_virtual_segment(std::size_t rounded, StreamId stream);
+  bool back(Block* block, std::size_t rounded);
+  bool map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
+  std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
+                            std::size_t want);
+  std::vector<bool> pages_in_use(const Segment* seg) const;
+  void unmap_page(Segment* seg, std::size_t index);
+  void synchronize_stream(StreamId stream);
   Block* take(Block* block, std::size_t rounded, std::size_t requested, StreamId stream);
   void free_block(Block* block);
   Block* merge(Block* first, Block* second);

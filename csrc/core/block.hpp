@@ -43,6 +43,11 @@ struct Segment {
   StreamId stream = 0;  // stream it was allocated for
   bool small = false;   // which pool it belongs to
   Block* head = nullptr;
+  // Virtual segments (vmm): an address range whose pages are backed on demand. pages[i] is
+  // the physical page mapped at addr + i * page size, or 0.
+  bool vmm = false;
+  std::vector<PageHandle> pages;
+  std::size_t mapped = 0;  // pages mapped
 };
 
 // Free blocks ordered by (owner stream, size, address): lower_bound on (stream, n, 0) is the

@@ -23,6 +23,8 @@ constexpr KeyInfo kKeys[] = {
     {"release_before_grow", "True or False", true},
     {"cross_stream_reuse", "True or False", true},
     {"medium_segment_mb", "an integer >= 0 (MiB; 0: exact-size segments)", true},
+    {"vmm", "True or False", true},
+    {"vmm_segment_mb", "an integer >= 2 (MiB)", true},
 };
 
 std::string trim(const std::string& s) {
@@ -69,11 +71,13 @@ bool parse_bool(const std::string& key, const std::string& value) {
 
 }  // namespace
 
-std::vector<std::string> PolicyConfig::policy_names() { return {"pymemplan", "torch", "nocache"}; }
+std::vector<std::string> PolicyConfig::policy_names() {
+  return {"pymemplan", "pymemplan-vmm", "torch", "nocache"};
+}
 
 std::string PolicyConfig::policy_name() const {
   switch (kind) {
-    case PolicyKind::Pymemplan: return "pymemplan";
+    case PolicyKind::Pymemplan: return vmm ? "pymemplan-vmm" : "pymemplan";
     case PolicyKind::Torch: return "torch";
     case PolicyKind::NoCache: return "nocache";
   }
@@ -84,6 +88,9 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
   PolicyConfig c;
   if (policy == "pymemplan") {
     c.kind = PolicyKind::Pymemplan;
+  } else if (policy == "pymemplan-vmm") {
+    c.kind = PolicyKind::Pymemplan;
+    c.vmm = true;
   } else if (policy == "torch") {
     c.kind = PolicyKind::Torch;
     c.release_before_grow = false;
@@ -93,8 +100,9 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     c.release_before_grow = false;
     c.cross_stream_reuse = false;
   } else {
-    throw AllocatorError("unknown allocator policy '" + policy +
-                         "': valid policies are pymemplan, torch, nocache");
+    std::string names;
+    for (const auto& n : policy_names()) names += (names.empty() ? "" : ", ") + n;
+    throw AllocatorError("unknown allocator policy '" + policy + "': valid policies are " + names);
   }
 
   std::stringstream items(conf);
@@ -143,6 +151,12 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       long long mb = parse_int(key, value, expected);
       if (mb < 0 || mb > (1LL << 20)) bad_value(key, value, expected);
       c.medium_segment = static_cast<std::size_t>(mb) * kMiB;
+    } else if (key == "vmm") {
+      c.vmm = parse_bool(key, value);
+    } else if (key == "vmm_segment_mb") {
+      long long mb = parse_int(key, value, "an integer >= 2 (MiB)");
+      if (mb < 2 || mb > (1LL << 30)) bad_value(key, value, "an integer >= 2 (MiB)");
+      c.vmm_segment = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "cross_stream_reuse") {
       c.cross_stream_reuse = parse_bool(key, value);
     }
@@ -167,6 +181,8 @@ std::string PolicyConfig::to_string() const {
     put("release_before_grow", release_before_grow ? "True" : "False");
     put("cross_stream_reuse", cross_stream_reuse ? "True" : "False");
     put("medium_segment_mb", std::to_string(medium_segment / kMiB));
+    put("vmm", vmm ? "True" : "False");
+    put("vmm_segment_mb", std::to_string(vmm_segment / kMiB));
   }
   return out.str();
 }

@@ -35,8 +35,14 @@ struct PolicyConfig {
   bool cross_stream_reuse = true;
   // Segment size for requests in (1 MiB, 10 MiB) (ours only; 0: the request's own size).
   std::size_t medium_segment = 48 * kMiB;
+  // Large requests come from virtual segments whose pages are mapped on demand, and pages
+  // under free blocks go back to the device when memory must grow (ours only).
+  bool vmm = false;
+  // Size of the address ranges reserved for virtual segments (vmm only).
+  std::size_t vmm_segment = 1024 * kMiB;
 
-  // Defaults of a named policy ("pymemplan", "torch", "nocache") then the settings in `conf`.
+  // Defaults of a named policy ("pymemplan", "pymemplan-vmm", "torch", "nocache") then the
+  // settings in `conf`.
   // Throws AllocatorError naming the bad key or value and listing the valid ones.
   static PolicyConfig parse(const std::string& policy, const std::string& conf = "");
   static std::vector<std::string> policy_names();

@@ -11,6 +11,8 @@ namespace pymemplan {
 using StreamId = std::uint64_t;
 // Opaque event handle owned by the device.
 using EventHandle = std::uintptr_t;
+// Opaque handle of one physical page (0: none).
+using PageHandle = std::uintptr_t;
 
 class Device {
  public:
@@ -35,6 +37,22 @@ class Device {
   virtual void record_event(EventHandle event, StreamId stream) = 0;
   virtual bool query_event(EventHandle event) = 0;   // true once complete
   virtual void synchronize_event(EventHandle event) = 0;  // blocks until complete
+
+  // --- Virtual memory (optional): address ranges whose pages of granularity() bytes are
+  // backed by physical pages mapped on demand (cuMemAddressReserve, cuMemCreate, cuMemMap).
+  // The defaults say the device has none.
+  virtual bool supports_vmm() const { return false; }
+  // An address range of `bytes` (a multiple of granularity()) with nothing behind it.
+  virtual void* reserve_address(std::size_t bytes);
+  // Returns a range from reserve_address; no page may still be mapped in it.
+  virtual void release_address(void* ptr, std::size_t bytes);
+  // One physical page of granularity() bytes; 0 when the device is out of memory.
+  virtual PageHandle create_page();
+  virtual void release_page(PageHandle page);  // the page must not be mapped
+  // Maps `page` at `addr` (granularity-aligned, inside a reserved range) for reading and
+  // writing. unmap_page does not wait for queued work: the caller synchronizes first.
+  virtual void map_page(void* addr, PageHandle page);
+  virtual void unmap_page(void* addr);
 };
 
 }  // namespace pymemplan

@@ -26,6 +26,11 @@ struct SegmentInfo {
   std::size_t active_size = 0;
   std::size_t requested_size = 0;
   std::vector<BlockInfo> blocks;  // in address order, covering the segment exactly
+  // Virtual segments (vmm): only mapped pages hold memory.
+  bool is_virtual = false;
+  std::size_t page_size = 0;
+  std::size_t mapped_size = 0;
+  std::vector<bool> page_mapped;
 };
 
 }  // namespace pymemplan

@@ -56,6 +56,94 @@ void SimulatedDevice::free_segment(void* ptr, std::size_t bytes) {
   segments_.erase(it);
 }
 
+void* SimulatedDevice::reserve_address(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes == 0 || bytes % granularity_ != 0) {
+    throw DeviceError("simulated device: reservation of " + std::to_string(bytes) +
+                      " bytes is not a positive multiple of the granularity");
+  }
+  const std::uintptr_t addr = next_addr_;
+  next_addr_ += bytes;
+  reservations_.emplace(addr, bytes);
+  return reinterpret_cast<void*>(addr);
+}
+
+void SimulatedDevice::release_address(void* ptr, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = reservations_.find(addr);
+  if (it == reservations_.end() || it->second != bytes) {
+    throw DeviceError("simulated device: release of a range that is not a reservation");
+  }
+  auto m = mappings_.lower_bound(addr);
+  if (m != mappings_.end() && m->first < addr + bytes) {
+    throw DeviceError("simulated device: release of a reservation with pages still mapped");
+  }
+  reservations_.erase(it);
+}
+
+PageHandle SimulatedDevice::create_page() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (fail_next_ > 0) {
+    --fail_next_;
+    return 0;
+  }
+  if (granularity_ > capacity_ - used_) return 0;
+  used_ += granularity_;
+  const PageHandle h = next_page_++;
+  pages_.emplace(h, 0);
+  return h;
+}
+
+void SimulatedDevice::release_page(PageHandle page) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = pages_.find(page);
+  if (it == pages_.end()) throw DeviceError("simulated device: release of an unknown page");
+  if (it->second != 0) throw DeviceError("simulated device: release of a page still mapped");
+  pages_.erase(it);
+  used_ -= granularity_;
+}
+
+void SimulatedDevice::map_page(void* ptr, PageHandle page) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto p = pages_.find(page);
+  if (p == pages_.end()) throw DeviceError("simulated device: map of an unknown page");
+  if (p->second != 0) throw DeviceError("simulated device: map of a page already mapped");
+  if (addr % granularity_ != 0) throw DeviceError("simulated device: map at an unaligned address");
+  auto r = reservations_.upper_bound(addr);
+  if (r == reservations_.begin() || (--r, addr + granularity_ > r->first + r->second)) {
+    throw DeviceError("simulated device: map outside any reservation");
+  }
+  if (!mappings_.emplace(addr, page).second) {
+    throw DeviceError("simulated device: map over an address already mapped");
+  }
+  p->second = addr;
+}
+
+void SimulatedDevice::unmap_page(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto m = mappings_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (m == mappings_.end()) throw DeviceError("simulated device: unmap of an address not mapped");
+  pages_.at(m->second) = 0;
+  mappings_.erase(m);
+}
+
+std::size_t SimulatedDevice::live_pages() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pages_.size();
+}
+
+std::size_t SimulatedDevice::mapped_pages() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mappings_.size();
+}
+
+std::size_t SimulatedDevice::live_reservations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reservations_.size();
+}
+
 SimulatedDevice::EventState& SimulatedDevice::event(EventHandle e, const char* what) {
   auto it = events_.find(e);
   if (it == events_.end()) {

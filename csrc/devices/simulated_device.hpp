@@ -29,13 +29,26 @@ class SimulatedDevice : public Device {
   bool query_event(EventHandle event) override;
   void synchronize_event(EventHandle event) override;
 
+  // Virtual memory: reservations cost nothing, each page costs granularity() bytes of
+  // capacity while it exists, mapped or not.
+  bool supports_vmm() const override { return true; }
+  void* reserve_address(std::size_t bytes) override;
+  void release_address(void* ptr, std::size_t bytes) override;
+  PageHandle create_page() override;
+  void release_page(PageHandle page) override;
+  void map_page(void* addr, PageHandle page) override;
+  void unmap_page(void* addr) override;
+  std::size_t live_pages() const;
+  std::size_t mapped_pages() const;
+  std::size_t live_reservations() const;
+
   // Test controls.
   void set_auto_complete(bool on);
   // Completes every recorded event on `stream` (all streams when all_streams is true).
   void complete_events(StreamId stream, bool all_streams = false);
   // The next `n` segment allocations fail as if the device were full.
   void fail_next_allocations(int n);
-  std::size_t used() const;            // bytes in live segments (with granularity)
+  std::size_t used() const;            // bytes in live segments (with granularity) and pages
   std::size_t live_segments() const;
   std::size_t pending_events() const;  // recorded and not complete
   std::size_t live_events() const;     // created and not destroyed
@@ -64,6 +77,10 @@ class SimulatedDevice : public Device {
   std::size_t used_ = 0;
   int fail_next_ = 0;
   std::unordered_map<std::uintptr_t, std::size_t> segments_;
+  std::map<std::uintptr_t, std::size_t> reservations_;           // address -> bytes
+  std::unordered_map<PageHandle, std::uintptr_t> pages_;         // page -> mapped address or 0
+  std::map<std::uintptr_t, PageHandle> mappings_;                // address -> page
+  PageHandle next_page_ = 1;
   std::unordered_map<EventHandle, EventState> events_;
   EventHandle next_event_ = 1;
   std::uint64_t record_seq_ = 0;

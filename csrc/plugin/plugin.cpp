@@ -145,7 +145,8 @@ std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device) 
         << ",\"total_size\":" << s.total_size << ",\"allocated_size\":" << s.allocated_size
         << ",\"active_size\":" << s.active_size << ",\"requested_size\":" << s.requested_size
         << ",\"stream\":" << s.stream << ",\"segment_type\":\"" << s.segment_type
-        << "\",\"segment_pool_id\":[0,0],\"is_expandable\":false,\"frames\":[],\"blocks\":[";
+        << "\",\"segment_pool_id\":[0,0],\"is_expandable\":" << (s.is_virtual ? "true" : "false")
+        << ",\"mapped_size\":" << s.mapped_size << ",\"frames\":[],\"blocks\":[";
     for (std::size_t j = 0; j < s.blocks.size(); ++j) {
       const BlockInfo& b = s.blocks[j];
       out << (j ? "," : "") << "{\"address\":" << b.address << ",\"size\":" << b.size

@@ -47,7 +47,12 @@ py::dict snapshot_dict(const std::vector<SegmentInfo>& segments, StreamId) {
     sd["stream"] = s.stream;
     sd["segment_type"] = s.segment_type;
     sd["segment_pool_id"] = py::make_tuple(0, 0);
-    sd["is_expandable"] = false;
+    sd["is_expandable"] = s.is_virtual;
+    if (s.is_virtual) {
+      sd["mapped_size"] = s.mapped_size;
+      sd["page_size"] = s.page_size;
+      sd["page_mapped"] = s.page_mapped;
+    }
     sd["frames"] = py::list();
     sd["blocks"] = blocks;
     segs.append(sd);
@@ -113,6 +118,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("pending_events", &SimulatedDevice::pending_events)
       .def_property_readonly("live_events", &SimulatedDevice::live_events)
       .def_property_readonly("record_count", &SimulatedDevice::record_count)
+      .def_property_readonly("live_pages", &SimulatedDevice::live_pages)
+      .def_property_readonly("mapped_pages", &SimulatedDevice::mapped_pages)
+      .def_property_readonly("live_reservations", &SimulatedDevice::live_reservations)
       .def("completed_through", &SimulatedDevice::completed_through, py::arg("stream"))
       .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
       .def(

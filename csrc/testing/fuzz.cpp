@@ -176,11 +176,18 @@ class Fuzzer {
     for (const SegmentInfo& seg : alloc_->snapshot()) {
       expect(seg.address >= prev_end, "segments overlap");
       prev_end = seg.address + seg.total_size;
-      reserved += static_cast<std::int64_t>(seg.total_size);
+      // A virtual segment holds only its mapped pages; live blocks must be fully mapped.
+      reserved += static_cast<std::int64_t>(seg.is_virtual ? seg.mapped_size : seg.total_size);
       std::uintptr_t at = seg.address;
       for (const BlockInfo& b : seg.blocks) {
         expect(b.address == at && b.size > 0, "blocks do not tile their segment");
         at += b.size;
+        if (seg.is_virtual && b.state != "inactive") {
+          for (std::size_t i = (b.address - seg.address) / seg.page_size;
+               i <= (b.address + b.size - 1 - seg.address) / seg.page_size; ++i) {
+            expect(seg.page_mapped[i], "a live block lies on an unmapped page");
+          }
+        }
         if (b.state == "active_allocated") {
           allocated += static_cast<std::int64_t>(b.size);
           requested += static_cast<std::int64_t>(b.requested_size);

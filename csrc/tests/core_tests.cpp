@@ -100,6 +100,8 @@ int main(int argc, char** argv) {
   const std::uint64_t ops = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 200000;
   const char* configs[][2] = {{"pymemplan", ""},
                               {"pymemplan", "max_split_size_mb:48"},
+                              {"pymemplan-vmm", ""},
+                              {"pymemplan-vmm", "vmm_segment_mb:64"},
                               {"torch", ""},
                               {"torch", "max_split_size_mb:48,roundup_power2_divisions:4"},
                               {"nocache", ""}};
@@ -121,7 +123,7 @@ int main(int argc, char** argv) {
       ++failures;
     }
   }
-  for (const char* p : {"pymemplan", "torch", "nocache"}) {
+  for (const char* p : {"pymemplan", "pymemplan-vmm", "torch", "nocache"}) {
     bad_input(p);
     threads(p);
   }
