@@ -226,3 +226,82 @@ def test_bad_config_is_rejected():
     assert r.returncode != 0 and "bad value 'abc'" in r.stderr
     r = run("", config="oom_action:explode")
     assert r.returncode != 0 and "expected raise or null" in r.stderr
+
+
+# --- Virtual memory (pymemplan-vmm) through the driver's cuMem* calls ---
+
+VMM_PRELUDE = """
+fake.fakecuda_live_handles.restype = ctypes.c_int
+fake.fakecuda_live_mappings.restype = ctypes.c_int
+fake.fakecuda_live_reservations.restype = ctypes.c_int
+"""
+
+
+def run_vmm(body: str, config: str = "oom_action:null", **env):
+    code = PRELUDE + VMM_PRELUDE + (
+        f"assert lib.pymemplan_configure(b'pymemplan-vmm', {config.encode()!r}) == 0, err()\n")
+    code += textwrap.dedent(body)
+    environ = {**os.environ, "PYMEMPLAN_LIBCUDA": str(FAKE), "FAKECUDA_CAPACITY": str(64 * MiB),
+               **{k: str(v) for k, v in env.items()}}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=environ, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_vmm_maps_pages_on_demand_and_memory_is_usable():
+    run_vmm("""
+        p = alloc(30 * MiB)
+        assert p
+        ctypes.memset(p, 3, 30 * MiB)                 # written through the mapped pages
+        assert fake.fakecuda_live_handles(0) == 15 and fake.fakecuda_live_mappings() == 15
+        assert fake.fakecuda_live_reservations() == 1
+        q = alloc(3 * MiB)                            # packed after p, sharing its last page
+        ctypes.memset(q, 4, 3 * MiB)
+        assert ctypes.string_at(p + 30 * MiB - 1, 1) == b"\\x03"
+        s = stats()
+        assert s["reserved_bytes.all.current"] == fake.fakecuda_bytes_in_use(0) == 17 * 2 * MiB
+        seg = snapshot()["segments"][0]
+        assert seg["is_expandable"] and seg["mapped_size"] == 34 * MiB
+        free(p); free(q)
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_live_handles(0) == 0 and fake.fakecuda_live_mappings() == 0
+        assert fake.fakecuda_live_reservations() == 0 and fake.fakecuda_bytes_in_use(0) == 0
+    """)
+
+
+def test_vmm_stitches_freed_pages_into_a_larger_request():
+    # 64 MiB device: after freeing every other 8 MiB block, 32 MiB is free in four holes.
+    # A 32 MiB request cannot fit a hole, but their pages can be mapped behind it.
+    run_vmm("""
+        ps = [alloc(8 * MiB) for _ in range(8)]
+        assert all(ps), err()
+        for p in ps[::2]:
+            free(p)
+        big = alloc(32 * MiB)
+        assert big, err()
+        ctypes.memset(big, 1, 32 * MiB)
+        assert fake.fakecuda_bytes_in_use(0) == 64 * MiB
+        assert stats()["num_ooms"] == 0
+    """)
+
+
+def test_vmm_failing_page_creation_midway_leaves_nothing_mapped():
+    out = run_vmm("""
+        p = alloc(48 * MiB)                 # 24 pages of 64 MiB
+        assert p
+        assert alloc(32 * MiB) is None      # runs out after 8 more pages: all undone
+        assert "out of memory" in err()
+        assert fake.fakecuda_live_handles(0) == 24 and fake.fakecuda_live_mappings() == 24
+        assert fake.fakecuda_bytes_in_use(0) == 48 * MiB == stats()["reserved_bytes.all.current"]
+        fake.fakecuda_fail_alloc_error(1)   # CUDA_ERROR_INVALID_VALUE: a driver failure
+        fake.fakecuda_fail_create_at(3)
+        assert alloc(12 * MiB) is None
+        print(err())
+        assert fake.fakecuda_live_handles(0) == 24 and fake.fakecuda_live_mappings() == 24
+        free(p)
+        q = alloc(32 * MiB)                 # and it still works
+        assert q, err()
+        ctypes.memset(q, 5, 32 * MiB)
+    """)
+    assert "cuMemCreate failed: CUDA_ERROR_INVALID_VALUE" in out

@@ -350,7 +350,14 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   if (virtual_memory) {
     // ours (vmm): address space is free; only the pages under the block cost memory.
     if (b == nullptr) b = new_virtual_segment(rounded, stream);
-    if (!back(b, rounded)) {
+    bool backed = false;
+    try {
+      backed = back(b, rounded);
+    } catch (...) {
+      insert_free(b);  // a driver error: the block goes back as it was
+      throw;
+    }
+    if (!backed) {
       insert_free(b);
       ++stats_.num_ooms;
       *oom = oom_message(size, rounded, stream,
@@ -665,24 +672,38 @@ bool CachingAllocator::back(Block* b, std::size_t rounded) {
 }
 
 bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi) {
+  // All or nothing: a page the device refuses (or a driver error) undoes this call's pages.
   const std::size_t page = device_->granularity();
   std::vector<std::size_t> mapped_now;
-  for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
-    if (seg->pages[i] != 0) continue;
-    PageHandle h = 0;
-    if (limit_ == 0 || static_cast<std::size_t>(reserved_) + page <= limit_) h = device_->create_page();
-    if (h == 0) {
-      for (std::size_t j : mapped_now) unmap_page(seg, j);  // all or nothing
-      return false;
+  auto undo = [&] {
+    for (std::size_t j : mapped_now) unmap_page(seg, j);
+  };
+  try {
+    for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
+      if (seg->pages[i] != 0) continue;
+      PageHandle h = 0;
+      if (limit_ == 0 || static_cast<std::size_t>(reserved_) + page <= limit_) h = device_->create_page();
+      if (h == 0) {
+        undo();
+        return false;
+      }
+      try {
+        device_->map_page(reinterpret_cast<void*>(seg->addr + i * page), h);
+      } catch (...) {
+        device_->release_page(h);
+        throw;
+      }
+      seg->pages[i] = h;
+      ++seg->mapped;
+      mapped_now.push_back(i);
+      reserved_ += static_cast<std::int64_t>(page);
+      reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+      update_stat(&Stats::reserved_bytes, false, static_cast<std::int64_t>(page));
+      ++stats_.num_device_alloc;
     }
-    device_->map_page(reinterpret_cast<void*>(seg->addr + i * page), h);
-    seg->pages[i] = h;
-    ++seg->mapped;
-    mapped_now.push_back(i);
-    reserved_ += static_cast<std::int64_t>(page);
-    reserved_hwm_ = std::max(reserved_hwm_, reserved_);
-    update_stat(&Stats::reserved_bytes, false, static_cast<std::int64_t>(page));
-    ++stats_.num_device_alloc;
+  } catch (...) {
+    undo();
+    throw;
   }
   return true;
 }

@@ -39,6 +39,14 @@ CudaDevice::CudaDevice(int ordinal) : driver_(Driver::get()), ordinal_(ordinal) 
   driver_.check(driver_.cuDeviceGet(&device_, ordinal), "cuDeviceGet");
   driver_.check(driver_.cuDeviceTotalMem(&capacity_, device_), "cuDeviceTotalMem");
   driver_.check(driver_.cuDevicePrimaryCtxRetain(&context_, device_), "cuDevicePrimaryCtxRetain");
+  prop_.type = 1;           // CU_MEM_ALLOCATION_TYPE_PINNED
+  prop_.location.type = 1;  // CU_MEM_LOCATION_TYPE_DEVICE
+  prop_.location.id = device_;
+  if (driver_.has_vmm()) {
+    std::size_t g = 0;
+    driver_.check(driver_.cuMemGetAllocationGranularity(&g, &prop_, 0), "cuMemGetAllocationGranularity");
+    if (g != 0) granularity_ = g;
+  }
 }
 
 CudaDevice::~CudaDevice() { driver_.cuDevicePrimaryCtxRelease(device_); }
@@ -88,6 +96,62 @@ bool CudaDevice::query_event(EventHandle event) {
 void CudaDevice::synchronize_event(EventHandle event) {
   InContext in(*this);
   driver_.check(driver_.cuEventSynchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize");
+}
+
+}  // namespace pymemplan
+
+namespace pymemplan {
+
+namespace {
+CUdeviceptr device_ptr(const void* p) {
+  return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
+}
+}  // namespace
+
+void* CudaDevice::reserve_address(std::size_t bytes) {
+  InContext in(*this);
+  CUdeviceptr ptr = 0;
+  driver_.check(driver_.cuMemAddressReserve(&ptr, bytes, 0, 0, 0), "cuMemAddressReserve");
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
+}
+
+void CudaDevice::release_address(void* ptr, std::size_t bytes) {
+  InContext in(*this);
+  driver_.check(driver_.cuMemAddressFree(device_ptr(ptr), bytes), "cuMemAddressFree");
+}
+
+PageHandle CudaDevice::create_page() {
+  InContext in(*this);
+  CUmemGenericAllocationHandle h = 0;
+  const CUresult r = driver_.cuMemCreate(&h, granularity_, &prop_, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) return 0;
+  driver_.check(r, "cuMemCreate");
+  return static_cast<PageHandle>(h);
+}
+
+void CudaDevice::release_page(PageHandle page) {
+  InContext in(*this);
+  driver_.check(driver_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page)), "cuMemRelease");
+}
+
+void CudaDevice::map_page(void* addr, PageHandle page) {
+  InContext in(*this);
+  driver_.check(driver_.cuMemMap(device_ptr(addr), granularity_, 0,
+                                 static_cast<CUmemGenericAllocationHandle>(page), 0),
+                "cuMemMap");
+  CUmemAccessDesc access{};
+  access.location = prop_.location;
+  access.flags = 3;  // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+  const CUresult r = driver_.cuMemSetAccess(device_ptr(addr), granularity_, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    driver_.cuMemUnmap(device_ptr(addr), granularity_);  // leave nothing half-mapped
+    driver_.check(r, "cuMemSetAccess");
+  }
+}
+
+void CudaDevice::unmap_page(void* addr) {
+  InContext in(*this);
+  driver_.check(driver_.cuMemUnmap(device_ptr(addr), granularity_), "cuMemUnmap");
 }
 
 }  // namespace pymemplan

@@ -17,8 +17,9 @@ class CudaDevice : public Device {
   CudaDevice& operator=(const CudaDevice&) = delete;
 
   std::size_t capacity() const override { return capacity_; }
-  // cudaMalloc hands out whole 2 MiB pages for large allocations.
-  std::size_t granularity() const override { return std::size_t{2} << 20; }
+  // cudaMalloc hands out whole 2 MiB pages for large allocations; with virtual memory, the
+  // driver's minimum granularity for this device (2 MiB on current GPUs).
+  std::size_t granularity() const override { return granularity_; }
   void* allocate_segment(std::size_t bytes) override;
   // cuMemFree waits for work queued on the memory, as cudaFree does.
   void free_segment(void* ptr, std::size_t bytes) override;
@@ -27,6 +28,14 @@ class CudaDevice : public Device {
   void record_event(EventHandle event, StreamId stream) override;
   bool query_event(EventHandle event) override;
   void synchronize_event(EventHandle event) override;
+
+  bool supports_vmm() const override { return driver_.has_vmm(); }
+  void* reserve_address(std::size_t bytes) override;
+  void release_address(void* ptr, std::size_t bytes) override;
+  PageHandle create_page() override;  // 0 on CUDA_ERROR_OUT_OF_MEMORY
+  void release_page(PageHandle page) override;
+  void map_page(void* addr, PageHandle page) override;
+  void unmap_page(void* addr) override;
 
   int ordinal() const { return ordinal_; }
 
@@ -38,6 +47,8 @@ class CudaDevice : public Device {
   cuda::CUdevice device_ = 0;
   cuda::CUcontext context_ = nullptr;
   std::size_t capacity_ = 0;
+  std::size_t granularity_ = std::size_t{2} << 20;
+  cuda::CUmemAllocationProp prop_{};
 };
 
 }  // namespace pymemplan

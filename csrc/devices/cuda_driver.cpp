@@ -28,6 +28,15 @@ void resolve(void* lib, GetProcAddress gpa, F& out, const char* name, const char
   out = reinterpret_cast<F>(fn);
 }
 
+// As resolve, but a missing entry point leaves `out` null.
+template <typename F>
+void resolve_optional(void* lib, GetProcAddress gpa, F& out, const char* name, const char* versioned) {
+  void* fn = nullptr;
+  if (gpa != nullptr && gpa(name, &fn, 12000, 0) != CUDA_SUCCESS) fn = nullptr;
+  if (fn == nullptr) fn = dlsym(lib, versioned);
+  out = reinterpret_cast<F>(fn);
+}
+
 Driver load() {
   const char* env = std::getenv("PYMEMPLAN_LIBCUDA");
   const std::string path = env != nullptr && *env != '\0' ? env : "libcuda.so.1";
@@ -57,6 +66,19 @@ Driver load() {
   resolve(lib, gpa, d.cuEventQuery, "cuEventQuery", "cuEventQuery", path);
   resolve(lib, gpa, d.cuEventSynchronize, "cuEventSynchronize", "cuEventSynchronize", path);
   resolve(lib, gpa, d.cuGetErrorName, "cuGetErrorName", "cuGetErrorName", path);
+  resolve_optional(lib, gpa, d.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",
+                   "cuMemGetAllocationGranularity");
+  resolve_optional(lib, gpa, d.cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve");
+  resolve_optional(lib, gpa, d.cuMemAddressFree, "cuMemAddressFree", "cuMemAddressFree");
+  resolve_optional(lib, gpa, d.cuMemCreate, "cuMemCreate", "cuMemCreate");
+  resolve_optional(lib, gpa, d.cuMemRelease, "cuMemRelease", "cuMemRelease");
+  resolve_optional(lib, gpa, d.cuMemMap, "cuMemMap", "cuMemMap");
+  resolve_optional(lib, gpa, d.cuMemUnmap, "cuMemUnmap", "cuMemUnmap");
+  resolve_optional(lib, gpa, d.cuMemSetAccess, "cuMemSetAccess", "cuMemSetAccess");
+  if (!(d.cuMemGetAllocationGranularity && d.cuMemAddressReserve && d.cuMemAddressFree &&
+        d.cuMemCreate && d.cuMemRelease && d.cuMemMap && d.cuMemUnmap)) {
+    d.cuMemSetAccess = nullptr;  // all or nothing: has_vmm() is false
+  }
   d.check(d.cuInit(0), "cuInit");
   return d;
 }

@@ -15,6 +15,30 @@ using CUcontext = struct CUctx_st*;
 using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
 
+using CUmemGenericAllocationHandle = unsigned long long;
+
+// Layouts as in cuda.h (CUDA 10.2 and later); enum members are ints.
+struct CUmemLocation {
+  int type;  // CU_MEM_LOCATION_TYPE_DEVICE = 1
+  int id;    // device ordinal
+};
+struct CUmemAllocationProp {
+  int type;                  // CU_MEM_ALLOCATION_TYPE_PINNED = 1
+  int requestedHandleTypes;  // CU_MEM_HANDLE_TYPE_NONE = 0
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+};
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags;  // CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+};
+
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
@@ -39,6 +63,19 @@ struct Driver {
   CUresult (*cuEventQuery)(CUevent) = nullptr;
   CUresult (*cuEventSynchronize)(CUevent) = nullptr;
   CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+  // Virtual memory management: optional, null when the driver lacks it.
+  CUresult (*cuMemGetAllocationGranularity)(std::size_t*, const CUmemAllocationProp*, int) = nullptr;
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,
+                                  unsigned long long) = nullptr;
+  CUresult (*cuMemAddressFree)(CUdeviceptr, std::size_t) = nullptr;
+  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
+                          unsigned long long) = nullptr;
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*cuMemMap)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle,
+                       unsigned long long) = nullptr;
+  CUresult (*cuMemUnmap)(CUdeviceptr, std::size_t) = nullptr;
+  CUresult (*cuMemSetAccess)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
+  bool has_vmm() const { return cuMemSetAccess != nullptr; }
 
   static const Driver& get();  // thread-safe, loads on first call
   // "CUDA_ERROR_OUT_OF_MEMORY" (or the number when the driver does not know it).
