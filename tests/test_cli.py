@@ -17,7 +17,8 @@ from pymemplan.traces.replay import replay
 DATA = Path(__file__).parent / "data"
 KEYS = {"trace", "policy", "events", "peak_live_bytes", "peak_allocated_bytes",
         "peak_reserved_bytes", "reserved_over_live", "device_allocs", "device_frees", "ooms",
-        "ns_per_event"}
+        "ns_per_event", "steady_from_event", "steady_peak_live_bytes",
+        "steady_peak_reserved_bytes", "steady_reserved_over_live"}
 
 
 def run_json(capsys, *argv):

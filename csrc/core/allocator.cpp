@@ -233,6 +233,11 @@ void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   }
 }
 
+std::int64_t CachingAllocator::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_;
+}
+
 bool CachingAllocator::owns(const void* ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));

@@ -74,6 +74,7 @@ class CachingAllocator : public Allocator {
 
   std::string policy_name() const override { return config_.policy_name(); }
   std::string config_string() const override { return config_.to_string(); }
+  std::int64_t reserved_bytes() const override;
   const PolicyConfig& config() const { return config_; }
   Device& device() { return *device_; }
   std::string last_error() const override;

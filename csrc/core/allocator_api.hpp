@@ -41,6 +41,11 @@ class Allocator {
   virtual std::size_t round_size(std::size_t size) const = 0;
   virtual std::string policy_name() const = 0;
   virtual std::string config_string() const = 0;
+  // Bytes held from the device now; cheaper than stats() for a caller that polls it.
+  virtual std::int64_t reserved_bytes() const = 0;
+  // Allocators that serve requests from an offline plan: the ordinal (0-based, counting
+  // allocation requests) of the first request a plan served; UINT64_MAX when none did.
+  virtual std::uint64_t first_planned_request() const { return ~std::uint64_t{0}; }
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

@@ -1,5 +1,6 @@
 #include "replay.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <unordered_map>
@@ -10,7 +11,8 @@
 namespace pymemplan {
 
 ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
-                    const std::int64_t* size, const std::int64_t* stream, std::size_t n) {
+                    const std::int64_t* size, const std::int64_t* stream, std::size_t n,
+                    std::int64_t steady_from) {
   struct Live {
     void* address;  // nullptr: the allocation failed
     std::int64_t size;
@@ -20,12 +22,17 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   ReplayResult r;
   std::int64_t live_bytes = 0;
   const Stats before = allocator.stats();
+  std::uint64_t requests = 0;
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < n; ++i) {
     switch (action[i]) {
       case kTraceAlloc: {
         void* p = allocator.try_malloc(size[i], static_cast<StreamId>(stream[i]));
         if (p == nullptr) ++r.ooms;
+        if (r.first_planned_event < 0 && allocator.first_planned_request() <= requests) {
+          r.first_planned_event = static_cast<std::int64_t>(i);
+        }
+        ++requests;
         if (!live.emplace(ptr[i], Live{p, size[i]}).second) {
           throw AllocatorError("trace event " + std::to_string(i) + ": pointer " +
                                std::to_string(ptr[i]) + " allocated again while still live");
@@ -50,6 +57,10 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
       default:
         throw AllocatorError("trace event " + std::to_string(i) + ": unknown action " +
                              std::to_string(action[i]));
+    }
+    if (steady_from >= 0 && static_cast<std::int64_t>(i) >= steady_from) {
+      r.steady_peak_reserved_bytes = std::max(r.steady_peak_reserved_bytes, allocator.reserved_bytes());
+      r.steady_peak_live_bytes = std::max(r.steady_peak_live_bytes, live_bytes);
     }
   }
   const auto stop = std::chrono::steady_clock::now();

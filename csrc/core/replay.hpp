@@ -20,13 +20,21 @@ struct ReplayResult {
   std::int64_t device_frees = 0;
   std::int64_t ooms = 0;         // requests refused at the device's capacity
   double ns_per_event = 0.0;     // wall time of the replay loop per event
+  // Plan-guided allocators: the event at which a plan first served a request (-1: never).
+  std::int64_t first_planned_event = -1;
+  // With steady_from >= 0: the peaks over events [steady_from, n) only (-1 otherwise).
+  std::int64_t steady_peak_reserved_bytes = -1;
+  std::int64_t steady_peak_live_bytes = -1;
 };
 
 // Events are parallel arrays. A free names the ptr of an earlier alloc; frees of allocations
 // that failed with OOM are skipped (the program would have crashed; the replay continues to
 // show how far each policy gets). Throws AllocatorError naming the event index for a free of
 // a pointer that is not live or an unknown action.
+// steady_from >= 0 also tracks the peaks from that event on, polling reserved memory after
+// every event (which slows the loop: time a run without it).
 ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
-                    const std::int64_t* size, const std::int64_t* stream, std::size_t n);
+                    const std::int64_t* size, const std::int64_t* stream, std::size_t n,
+                    std::int64_t steady_from = -1);
 
 }  // namespace pymemplan

@@ -203,7 +203,7 @@ PYBIND11_MODULE(_core, m) {
       "replay",
       [](carray<std::uint8_t> action, carray<std::int64_t> ptr, carray<std::int64_t> size,
          carray<std::int64_t> stream, const std::string& policy, const std::string& config,
-         std::size_t capacity, std::size_t granularity) {
+         std::size_t capacity, std::size_t granularity, std::int64_t steady_from) {
         const auto n = static_cast<std::size_t>(action.size());
         if (static_cast<std::size_t>(ptr.size()) != n || static_cast<std::size_t>(size.size()) != n ||
             static_cast<std::size_t>(stream.size()) != n) {
@@ -214,7 +214,7 @@ PYBIND11_MODULE(_core, m) {
         ReplayResult r;
         {
           py::gil_scoped_release release;
-          r = replay(*alloc, action.data(), ptr.data(), size.data(), stream.data(), n);
+          r = replay(*alloc, action.data(), ptr.data(), size.data(), stream.data(), n, steady_from);
         }
         py::dict d;
         d["events"] = r.events;
@@ -225,10 +225,14 @@ PYBIND11_MODULE(_core, m) {
         d["device_frees"] = r.device_frees;
         d["ooms"] = r.ooms;
         d["ns_per_event"] = r.ns_per_event;
+        d["first_planned_event"] = r.first_planned_event;
+        d["steady_peak_reserved_bytes"] = r.steady_peak_reserved_bytes;
+        d["steady_peak_live_bytes"] = r.steady_peak_live_bytes;
         return d;
       },
       py::arg("action"), py::arg("ptr"), py::arg("size"), py::arg("stream"),
       py::arg("policy") = "pymemplan", py::arg("config") = "",
       py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = 2 << 20,
+      py::arg("steady_from") = -1,
       "Replay a trace (parallel arrays) through a policy on a fresh simulated device.");
 }

@@ -24,6 +24,12 @@ class ReplayResult:
     device_frees: int
     ooms: int
     ns_per_event: float
+    # Steady state: the events from the first one a plan served (found by replaying a
+    # plan-guided policy), the same events for every policy; None when no plan was used.
+    steady_from_event: int | None = None
+    steady_peak_live_bytes: int | None = None
+    steady_peak_reserved_bytes: int | None = None
+    steady_reserved_over_live: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,7 +47,10 @@ def replay(trace: Trace, policies=DEFAULT_POLICIES, *, capacity="80GiB",
            granularity="2MiB") -> list[ReplayResult]:
     """Replay `trace` once per policy (a name, or 'name=key:value,...'), each on a fresh
     simulated device of `capacity` bytes. Allocations that do not fit are counted as OOMs
-    and skipped, with their frees."""
+    and skipped, with their frees.
+
+    When a plan-guided policy among them serves requests from a plan, every result also
+    gets the steady-state peaks: over the events from the first one a plan served."""
     if isinstance(policies, str):
         policies = [policies]
     cap = parse_bytes(capacity)
@@ -49,14 +58,30 @@ def replay(trace: Trace, policies=DEFAULT_POLICIES, *, capacity="80GiB",
     parsed = [(spec, *parse_policy(spec)) for spec in policies]
     trace.validate()
     results = []
+    runs = []
     for spec, name, config in parsed:
-        r = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, name, config, cap, gran)
+        runs.append(_core.replay(trace.action, trace.ptr, trace.size, trace.stream, name, config,
+                                 cap, gran))
+    planned = [r["first_planned_event"] for r in runs if r["first_planned_event"] >= 0]
+    steady_from = min(planned) if planned else None
+    for (spec, name, config), r in zip(parsed, runs):
         live = r["peak_live_bytes"]
-        results.append(ReplayResult(
+        result = ReplayResult(
             trace=trace.name, policy=spec, events=r["events"], peak_live_bytes=live,
             peak_allocated_bytes=r["peak_allocated_bytes"],
             peak_reserved_bytes=r["peak_reserved_bytes"],
             reserved_over_live=r["peak_reserved_bytes"] / live if live else 0.0,
             device_allocs=r["device_allocs"], device_frees=r["device_frees"], ooms=r["ooms"],
-            ns_per_event=r["ns_per_event"]))
+            ns_per_event=r["ns_per_event"])
+        if steady_from is not None:
+            # A second run: polling reserved memory after every event would skew the timing.
+            s = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, name, config,
+                             cap, gran, steady_from)
+            result.steady_from_event = steady_from
+            result.steady_peak_live_bytes = s["steady_peak_live_bytes"]
+            result.steady_peak_reserved_bytes = s["steady_peak_reserved_bytes"]
+            if s["steady_peak_live_bytes"] > 0:
+                result.steady_reserved_over_live = (s["steady_peak_reserved_bytes"]
+                                                    / s["steady_peak_live_bytes"])
+        results.append(result)
     return results
