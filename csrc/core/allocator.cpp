@@ -343,7 +343,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
     return nullptr;
   }
   Pool& pool = pool_for(rounded);
-  const bool virtual_memory = config_.vmm && !pool.small;
+  const bool virtual_memory = config_.vmm;
   Block* b = find_free_block(pool, rounded, stream);
   if (b == nullptr && pool.small && config_.kind == PolicyKind::Pymemplan && !config_.vmm) {
     b = find_large_pool_fragment(rounded, stream);

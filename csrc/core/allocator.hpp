@@ -92,7 +92,11 @@ class CachingAllocator : public Allocator {
   };
 
   Block* allocate_locked(std::size_t size, StreamId stream, std::string* oom_message);
-  Pool& pool_for(std::size_t rounded) { return rounded <= kSmallSize ? small_ : large_; }
+  // With vmm every request shares the virtual segments: pages under free space go back to
+  // the device, so small blocks cannot strand memory the way they do in shared segments.
+  Pool& pool_for(std::size_t rounded) {
+    return rounded <= kSmallSize && !config_.vmm ? small_ : large_;
+  }
   std::size_t segment_size(std::size_t rounded) const;
   bool should_split(const Block* block, std::size_t rounded) const;
 
