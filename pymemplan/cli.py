@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="device allocation granularity (default 2MiB)")
     rp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rp.set_defaults(func=_replay)
+    from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace
+
+    _add_trace_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

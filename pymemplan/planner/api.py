@@ -1,0 +1,276 @@
+"""``pymemplan.trace``: predict one training step's memory, and the object it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .capture import OUTSIDE, capture
+from .errors import PlannerError
+from .graph import BEFORE_STEP, CATEGORIES, PHASES, StepGraph, TensorInfo
+from .profile import get_profile
+from .timeline import Timeline, build_timeline, live_at, live_interval
+
+
+def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=None,
+          train: bool = True, probe_kernels: bool | None = None, progress=None) -> "MemoryTrace":
+    """Predict the memory of one training step of ``model`` on ``inputs``, without running it.
+
+    - ``inputs``: a tuple of positional arguments (a single tensor is accepted too).
+      Tensors may live anywhere, including the meta device; only their shapes are read.
+    - ``loss_fn``: maps the model's output to a scalar loss. Not needed when the model
+      returns a scalar, or a Hugging Face output with ``.loss``.
+    - ``optimizer``: None (forward + backward), a ``torch.optim.Optimizer`` class, a
+      callable ``params -> optimizer``, or an optimizer instance (rebuilt with the same
+      class and hyperparameters). With one, the traced step is the steady state: the
+      optimizer's state already exists and gradients start as None.
+    - ``device``: the device predicted, ``"cuda"`` (default) or ``"cpu"``. No GPU needed.
+    - ``autocast``: None, ``torch.bfloat16`` or ``torch.float16``.
+    - ``train``: trace in training mode (dropout, batch-norm statistics); the model's own
+      mode is restored afterwards. ``progress(phase, ops_so_far)`` is called as it goes.
+    - ``probe_kernels``: measure the scratch memory kernels take inside an op by running
+      each distinct op signature once on real zero tensors (``planner/probe.py``). Only
+      possible for the CPU target, where it is on by default; signatures needing more than
+      a quarter of this machine's memory are skipped. With it off, and for CUDA, nothing
+      real is allocated.
+
+    The model is never modified: its parameters, gradients and modes are as before.
+    """
+    import torch
+
+    profile = get_profile(device)
+    if not isinstance(model, torch.nn.Module):
+        raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    elif isinstance(inputs, list):
+        inputs = tuple(inputs)
+    elif not isinstance(inputs, tuple):
+        raise PlannerError(f"inputs must be a tuple of positional arguments for the model's "
+                           f"forward (or a single tensor), got {type(inputs).__name__}")
+    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+        raise PlannerError(f"autocast={autocast!r}: use None, torch.bfloat16 or torch.float16")
+    if loss_fn is not None and not callable(loss_fn):
+        raise PlannerError(f"loss_fn must be callable (output -> scalar loss), got "
+                           f"{type(loss_fn).__name__}")
+    if probe_kernels is None:
+        probe_kernels = profile.name == "cpu"
+    if probe_kernels and profile.name != "cpu":
+        raise PlannerError(f"probe_kernels=True needs the target device to run kernels on; "
+                           f"it works for device='cpu' only, not {profile.name!r}")
+    g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                autocast=autocast, train=train, progress=progress,
+                probe_limit=_probe_limit() if probe_kernels else 0)
+    return MemoryTrace(g)
+
+
+def _probe_limit() -> int:
+    """A quarter of this machine's physical memory (4 GiB if unknown)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """A tensor live at some op, for reports (see :meth:`MemoryTrace.tensors_at_peak`)."""
+
+    id: int
+    bytes: int
+    shape: tuple
+    dtype: str
+    category: str
+    op: str             # the op that produced it ("" if it existed before the step)
+    module: str
+    phase: str
+    name: str
+    alloc_op: int       # -1: before the step
+    last_use: int       # last op that used it
+    freed_after: int | None  # op after which it was released; None: live at the end
+
+
+class MemoryTrace:
+    """The predicted memory of one training step. Build with :func:`trace`."""
+
+    def __init__(self, graph: StepGraph):
+        self.graph = graph
+
+    # -- core figures --------------------------------------------------------------------
+    @cached_property
+    def _timeline(self) -> Timeline:
+        return build_timeline(self.graph)
+
+    @property
+    def device(self) -> str:
+        return self.graph.device
+
+    @property
+    def ops(self):
+        return self.graph.ops
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return self.graph.tensors
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak of live tensor bytes on the device (allocator-rounded for CUDA)."""
+        return self._timeline.peak_bytes
+
+    @property
+    def peak_index(self) -> int:
+        """Index of the op at which the peak happens (the first one, on ties)."""
+        return self._timeline.peak_index
+
+    @property
+    def peak_op(self):
+        return self.graph.ops[self.peak_index] if self.graph.ops else None
+
+    @property
+    def timeline(self) -> dict[str, np.ndarray]:
+        """Live bytes at each op: one array per category, plus ``"total"``."""
+        d = dict(self._timeline.by_category)
+        d["total"] = self._timeline.total
+        return d
+
+    def ops_around_peak(self, k: int = 5) -> list:
+        i = self.peak_index
+        return self.graph.ops[max(0, i - k): i + k + 1]
+
+    def phase_of(self, index: int) -> str:
+        return self.graph.ops[index].phase if self.graph.ops else ""
+
+    def phase_ranges(self) -> dict[str, tuple[int, int]]:
+        """phase -> [first op, end) for the phases the step ran."""
+        starts = sorted((s, p) for p, s in self.graph.phase_starts.items())
+        out = {}
+        for j, (s, p) in enumerate(starts):
+            end = starts[j + 1][0] if j + 1 < len(starts) else self.graph.num_ops
+            out[p] = (s, end)
+        return out
+
+    def phase_peaks(self) -> dict[str, int]:
+        total = self._timeline.total
+        return {p: int(total[a:b].max()) if b > a else 0 for p, (a, b) in self.phase_ranges().items()}
+
+    # -- what fills the peak -------------------------------------------------------------
+    def breakdown(self, index: int | None = None) -> dict[str, int]:
+        """Bytes by category at op `index` (default: the peak)."""
+        i = self.peak_index if index is None else index
+        return {c: int(a[i]) if len(a) else 0 for c, a in self._timeline.by_category.items()}
+
+    def by_module(self, depth: int | None = None) -> dict[str, int]:
+        """Activation bytes saved for backward, per module path, largest first.
+
+        ``depth`` groups paths to their first `depth` components (``depth=3``:
+        ``transformer.h.3``); None keeps the innermost module that made each tensor.
+        """
+        out: dict[str, int] = {}
+        for t in self.graph.tensors:
+            if t.category != "activation" or not t.size:
+                continue
+            path = t.module
+            if depth is not None and path and path != OUTSIDE:
+                path = ".".join(path.split(".")[:depth])
+            path = path or "(model)"  # the root module's own forward code
+            out[path] = out.get(path, 0) + t.size
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def _live(self, t: TensorInfo) -> LiveTensor:
+        return LiveTensor(t.id, t.size, t.shape, t.dtype, t.category, t.op, t.module, t.phase,
+                          t.name, t.alloc_op, t.last_use, t.freed_after)
+
+    def tensors_at(self, index: int, k: int | None = None) -> list[LiveTensor]:
+        """Tensors live at op `index`, largest first; the op's kernel scratch, if any, is
+        listed as a tensor of dtype uint8 named "kernel scratch"."""
+        live = [self._live(t) for t in live_at(self.graph, index)]
+        op = self.graph.ops[index] if self.graph.ops else None
+        if op is not None and op.scratch:
+            live.append(LiveTensor(-1, op.scratch, (op.scratch,), "uint8", "temporary", op.name,
+                                   op.module, op.phase, "kernel scratch", index, index, index))
+            live.sort(key=lambda x: -x.bytes)
+        return live if k is None else live[:k]
+
+    def tensors_at_peak(self, k: int = 10) -> list[LiveTensor]:
+        """The `k` largest tensors live at the peak."""
+        return self.tensors_at(self.peak_index, k)
+
+    @property
+    def free_schedule(self) -> dict[int, int]:
+        """tensor id -> the op after which it is no longer needed (its last use), for every
+        tensor made during the step. Tensors that exist before the step (parameters,
+        buffers, inputs, optimizer state) outlive it and are not in the schedule."""
+        return {t.id: t.last_use for t in self.graph.tensors if t.alloc_op != BEFORE_STEP}
+
+    # -- allocator view ------------------------------------------------------------------
+    def allocation_trace(self, name: str | None = None):
+        """The predicted allocations and frees, as a :class:`pymemplan.traces.Trace`.
+
+        Tensors that exist before the step are allocated first; then every allocation and
+        release in the order capture saw them. ``ptr`` is the tensor id, ``time`` the op
+        index. Sizes are device bytes (rounded for CUDA). Replay it through allocator
+        policies (``pymemplan.traces.replay``) to predict *reserved* memory.
+        """
+        from ..traces.trace import ALLOC, FREE, Trace
+
+        n = self.graph.num_ops
+        events = []
+        for t in self.graph.tensors:
+            if not t.size:
+                continue
+            start, _ = live_interval(t, n)
+            seq = -1 if t.alloc_op == BEFORE_STEP else t.alloc_seq
+            events.append((seq, t.alloc_seq, ALLOC, t.id, t.size, start))
+            if t.free_seq is not None:
+                events.append((t.free_seq, t.free_seq, FREE, t.id, t.size, t.freed_before))
+        sid = len(self.graph.tensors)  # scratch blocks get ids after the tensors'
+        for op in self.graph.ops:
+            if op.scratch:  # held from the op's last output until it returns
+                events.append((op.seq + 0.25, 0, ALLOC, sid + op.index, op.scratch, op.index))
+                events.append((op.seq + 0.5, 0, FREE, sid + op.index, op.scratch, op.index))
+        events.sort(key=lambda e: (e[0], e[1]))
+        rows = [(a, tid, size, 0, float(when)) for _, _, a, tid, size, when in events]
+        return Trace.from_events(rows, name=name or f"predicted:{self.graph.meta.get('model', 'step')}",
+                                 meta={"format": "pymemplan-planner", "device": self.device,
+                                       "time": "op index"})
+
+    # -- reports -------------------------------------------------------------------------
+    def summary(self, top: int = 10, width: int | None = None) -> str:
+        from .report import summary_text
+        return summary_text(self, top=top, width=width)
+
+    def print(self, top: int = 10) -> None:
+        from .report import print_summary
+        print_summary(self, top=top)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        from ..units import format_bytes
+        return (f"<MemoryTrace {self.graph.meta.get('model', '')} device={self.device} "
+                f"peak={format_bytes(self.peak_bytes)} at op {self.peak_index}/{self.graph.num_ops}>")
+
+    def plot(self, path, title: str | None = None):
+        from .report import plot
+        return plot(self, path, title=title)
+
+    def to_dict(self, top: int = 20, timeline: bool = True) -> dict:
+        from .report import to_dict
+        return to_dict(self, top=top, timeline=timeline)
+
+    def to_json(self, path=None, top: int = 20, timeline: bool = True) -> str:
+        import json
+        s = json.dumps(self.to_dict(top=top, timeline=timeline), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(s)
+        return s
+
+
+__all__ = ["trace", "MemoryTrace", "LiveTensor", "PlannerError", "CATEGORIES", "PHASES"]

@@ -1,0 +1,527 @@
+"""Capture: run one training step on fake tensors and record every op and storage.
+
+How. The step (forward, loss, backward, optionally ``optimizer.step()``) runs for real,
+eagerly, but on ``FakeTensor``s: tensors with shapes, dtypes and strides and no data, so
+nothing is allocated and a 7B-parameter model traces on a laptop. Running the real step,
+rather than a symbolic graph of it, keeps every effect PyTorch has on memory: the
+autograd engine's saved tensors and its release of them, gradient accumulation, the
+optimizer's own code path and its temporaries, Python references held by the model.
+
+Two modes watch it:
+
+- a ``TorchDispatchMode`` (:class:`_Recorder`) sees every ATen op after autograd, in
+  execution order. A storage seen for the first time as an op's output is an
+  allocation; a ``weakref.finalize`` on the storage reports its release at the moment
+  the last reference goes, exactly when the real allocator would free it.
+- a ``TorchFunctionMode`` (:class:`_FunctionLayer`) applies the target device profile
+  (``profile.py``: CUDA's attention and dropout kernels) and tags autograd nodes with the
+  module that made them, so backward ops are attributed to modules too.
+
+Fake tensors live on the CPU whatever the target (see ``profile.py`` for why).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import inspect
+import weakref
+from typing import Any, Callable
+
+from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT,
+                    OPTIMIZER, OPTIMIZER_STATE, PARAMETER, TEMPORARY, OpNode, StepGraph,
+                    TensorInfo)
+from .errors import PlannerError, UntraceableError
+from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
+
+
+OUTSIDE = "<outside model>"
+
+
+_VALUE_HINT = (
+    "The planner runs the step on fake tensors, which have shapes and dtypes but no "
+    "values. Code that needs a tensor's value cannot run: `.item()`, `.tolist()`, "
+    "`if tensor:` or `while tensor > 0:` on tensor values, `torch.nonzero` or boolean-mask "
+    "indexing whose result size depends on the data. Make that code depend on shapes only "
+    "(e.g. `torch.where(cond, a, b)` instead of `if`), pass the value as a Python number, "
+    "or move it out of the model's forward.")
+
+
+def _storage_key(t) -> int:
+    return t.untyped_storage()._cdata  # the StorageImpl's address: stable while it lives
+
+
+class _Recorder:
+    """Dispatch-level record of ops and storages (wrapped in a TorchDispatchMode below)."""
+
+    def __init__(self, profile: DeviceProfile, fake_mode, progress: Callable | None,
+                 probes=None):
+        self.profile = profile
+        self.probes = probes                # ProbeSet: op signatures to measure scratch of
+        self.fake_mode = fake_mode
+        self.progress = progress
+        self.ops: list[OpNode] = []
+        self.tensors: list[TensorInfo] = []
+        self.live: dict[int, int] = {}      # storage key -> tensor id, while it lives
+        self.host: set[int] = set()         # storages that live in host memory on the target
+        self.finalizers: list[weakref.finalize] = []
+        self.seq = 0
+        self.phase = FORWARD
+        # Module paths: "" is the model itself; OUTSIDE is code outside the model's forward
+        # (the loss function, the optimizer).
+        self.module_stack: list[str] = [OUTSIDE]
+        self.fwd_seq: list[int] = []        # sorted autograd sequence numbers ...
+        self.fwd_mod: list[str] = []        # ... and the module that made each node
+        self.param_module: dict[int, str] = {}  # id(fake parameter) -> owning module path
+        self.closed = False
+        self.error: tuple | None = None     # (exception, op, module, phase, input shapes)
+
+    # -- storages ------------------------------------------------------------------------
+    def _new(self, t, category: str, op_index: int, op: str = "", name: str = "",
+             module: str = "", phase: str = "") -> int:
+        s = t.untyped_storage()
+        key = s._cdata
+        nbytes = s.nbytes()
+        tid = len(self.tensors)
+        self.tensors.append(TensorInfo(
+            id=tid, nbytes=nbytes, size=self.profile.device_bytes(nbytes), shape=tuple(t.shape),
+            dtype=str(t.dtype).replace("torch.", ""), category=category, alloc_op=op_index,
+            freed_before=None, last_use=max(op_index, 0), op=op, module=module, phase=phase,
+            name=name, alloc_seq=self._tick()))
+        self.live[key] = tid
+        # PyTorch keeps one Python object per storage for as long as the storage lives
+        # (PyObject preservation), so this runs exactly when the last reference goes,
+        # whoever held it: a tensor, a view, autograd's saved variables.
+        self.finalizers.append(weakref.finalize(s, self._on_free, key, tid))
+        return tid
+
+    def _tick(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _on_free(self, key: int, tid: int) -> None:
+        if self.closed:
+            return
+        info = self.tensors[tid]
+        info.freed_before = len(self.ops)
+        info.free_seq = self._tick()
+        if self.live.get(key) == tid:
+            del self.live[key]
+
+    def _on_host_free(self, key: int) -> None:
+        self.host.discard(key)
+
+    def register(self, t, category: str, name: str = "") -> None:
+        """A tensor that exists before the step (parameter, input, ...)."""
+        key = _storage_key(t)
+        if key not in self.live:
+            self._new(t, category, BEFORE_STEP, name=name)
+
+    def register_host(self, t) -> None:
+        key = _storage_key(t)
+        if key not in self.host:
+            self.host.add(key)
+            self.finalizers.append(weakref.finalize(t.untyped_storage(), self._on_host_free, key))
+
+    def close(self) -> None:
+        self.closed = True
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers.clear()
+
+    # -- module attribution --------------------------------------------------------------
+    def module_now(self) -> str:
+        if self.phase != BACKWARD:
+            return self.module_stack[-1]
+        import torch
+
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return OUTSIDE
+        var = getattr(node, "variable", None)  # AccumulateGrad: the parameter it feeds
+        if var is not None:
+            return self.param_module.get(id(var), "")
+        i = bisect.bisect_left(self.fwd_seq, node._sequence_nr())
+        return self.fwd_mod[i] if i < len(self.fwd_mod) else OUTSIDE
+
+    def note_autograd_outputs(self, out) -> None:
+        """Remember which module made the autograd nodes of `out` (forward only)."""
+        import torch
+        from torch.utils import _pytree as pytree
+
+        if self.phase != FORWARD:
+            return
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+                seq = o.grad_fn._sequence_nr()
+                # A composite call makes several nodes; all get numbers <= its output's,
+                # and above the previous call's, so bisect finds the right module.
+                if not self.fwd_seq or seq > self.fwd_seq[-1]:
+                    self.fwd_seq.append(seq)
+                    self.fwd_mod.append(self.module_stack[-1])
+
+    # -- ops -----------------------------------------------------------------------------
+    def dispatch(self, func, args, kwargs):
+        import torch
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.utils import _pytree as pytree
+
+        flat_in = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        for a in flat_in:
+            if not is_fake(a) and a.device.type != "meta":
+                # A real tensor the model or loss closes over (e.g. targets): FakeTensorMode
+                # converts it (memoized); it exists before the step, as an input.
+                self.register(self.fake_mode.from_tensor(a), INPUT, name="captured tensor")
+        in_keys = [_storage_key(a) if is_fake(a) else _storage_key(self.fake_mode.from_tensor(a))
+                   for a in flat_in if a.device.type != "meta"]
+        index = len(self.ops)
+        module = self.module_now()
+        node = ""
+        if self.phase == BACKWARD:
+            n = torch._C._current_autograd_node()
+            node = n.name() if n is not None else ""
+        name = str(func)
+        self.ops.append(OpNode(index, name, module, self.phase, node))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception as e:
+            if self.error is None:
+                shapes = [tuple(a.shape) for a in flat_in]
+                self.error = (e, name, module, self.phase, shapes)
+            raise
+
+        on_host = bool(in_keys) and all(k in self.host for k in in_keys)
+        used = []
+        new_bytes = 0
+        for o in pytree.tree_leaves(out):
+            if not isinstance(o, torch.Tensor) or not is_fake(o):
+                continue
+            key = _storage_key(o)
+            if on_host:
+                self.register_host(o)
+                continue
+            tid = self.live.get(key)
+            if tid is None:
+                if getattr(func, "is_view", False) or key in in_keys:
+                    # An alias of a storage made before the step that we were not told
+                    # about (e.g. a plain tensor attribute of a module).
+                    tid = self._new(o, BUFFER, BEFORE_STEP, name="untracked tensor")
+                else:
+                    tid = self._new(o, TEMPORARY, index, op=name, module=module, phase=self.phase)
+                    new_bytes += self.tensors[tid].nbytes
+            used.append(tid)
+        for k in in_keys:
+            tid = self.live.get(k)
+            if tid is not None:
+                used.append(tid)
+        for tid in used:
+            self.tensors[tid].last_use = index
+        self.ops[index].seq = self._tick()
+        if self.probes is not None and not on_host:
+            self.probes.add(index, func, args, kwargs, new_bytes)
+        if self.progress is not None and index % 500 == 0:
+            self.progress(self.phase, index)
+        return out
+
+
+def _dispatch_mode(rec: _Recorder):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _RecorderMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return rec.dispatch(func, args, kwargs)
+
+    return _RecorderMode()
+
+
+def _function_mode(rec: _Recorder, overrides: dict):
+    from torch.overrides import TorchFunctionMode
+
+    class _FunctionLayer(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = overrides.get(func, func)(*args, **kwargs)
+            rec.note_autograd_outputs(out)
+            return out
+
+    return _FunctionLayer()
+
+
+# -----------------------------------------------------------------------------------------
+# The step
+# -----------------------------------------------------------------------------------------
+
+def _fake_like(t, requires_grad: bool):
+    """A fake CPU tensor with `t`'s metadata. Never reads `t`'s data, so `t` may be on the
+    meta device, a GPU, or far larger than this machine's memory."""
+    import torch
+
+    f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+    return f.requires_grad_(requires_grad) if requires_grad else f
+
+
+def _make_optimizer(optimizer, params: list, fake_of: dict, profile: DeviceProfile):
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # An instance built on the real parameters: rebuild it, same class and
+        # hyperparameters, over the fake ones.
+        groups = []
+        for g in optimizer.param_groups:
+            fg = {k: v for k, v in g.items() if k != "params"}
+            fg["params"] = [fake_of[id(p)] for p in g["params"] if id(p) in fake_of]
+            groups.append(fg)
+        opt = type(optimizer)(groups)
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        opt = optimizer(params)
+    elif isinstance(optimizer, type) or not callable(optimizer):
+        raise PlannerError(
+            f"optimizer={optimizer!r} is not an optimizer: pass a torch.optim.Optimizer "
+            f"class (e.g. torch.optim.Adam), a callable params -> optimizer (e.g. "
+            f"lambda params: torch.optim.AdamW(params, lr=1e-4)), or None for forward + "
+            f"backward only")
+    else:
+        opt = optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise PlannerError(
+                f"the optimizer factory returned {type(opt).__name__}, not a "
+                f"torch.optim.Optimizer; it must build the optimizer from the parameters it "
+                f"is given, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)")
+    prepare_optimizer(opt, profile)
+    return opt
+
+
+def _warm_up_optimizer(opt) -> None:
+    """One step on zero gradients, so the traced step is the steady state: optimizer state
+    already exists, as in every step after the first."""
+    import torch
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+
+
+def _to_loss(out, loss_fn):
+    import torch
+
+    if loss_fn is not None:
+        return loss_fn(out)
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)  # Hugging Face outputs computed with labels
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise PlannerError(
+        f"the model returned {type(out).__name__}, not a scalar loss; pass loss_fn=... that "
+        f"maps the model's output to a scalar, e.g. loss_fn=lambda out: out.float().mean()")
+
+
+def _check_loss(loss) -> None:
+    import torch
+
+    if not isinstance(loss, torch.Tensor):
+        raise PlannerError(f"the loss must be a scalar tensor, got {type(loss).__name__}; "
+                           f"make loss_fn return a tensor")
+    if loss.numel() != 1:
+        raise PlannerError(
+            f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}; reduce it "
+            f"in loss_fn, e.g. loss_fn=lambda out: out.float().mean()")
+    if not loss.requires_grad:
+        raise PlannerError("the loss does not depend on any parameter that requires grad, so "
+                           "there is no backward pass to trace; check that the model has "
+                           "trainable parameters and that loss_fn uses the model's output")
+
+
+def _signature_hint(model) -> str:
+    try:
+        return f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
+    except (TypeError, ValueError):
+        return f"{type(model).__name__}.forward"
+
+
+def _describe_inputs(args) -> str:
+    import torch
+
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"tensor{tuple(a.shape)} {str(a.dtype).replace('torch.', '')}")
+        else:
+            parts.append(type(a).__name__)
+    return "(" + ", ".join(parts) + ")"
+
+
+def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableError:
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+
+    if rec.error is not None:
+        err, op, module, phase, shapes = rec.error
+    else:
+        err, op, module, phase, shapes = exc, None, rec.module_now(), rec.phase, []
+    where = ("code outside the model (the loss function?)" if module == OUTSIDE else
+             f"module '{module}'" if module else "the model's own forward (top level)")
+    value_dependent = isinstance(err, (DataDependentOutputException, DynamicOutputShapeException))
+    if not value_dependent:
+        try:
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+            value_dependent = isinstance(err, GuardOnDataDependentSymNode)
+        except ImportError:  # pragma: no cover - older torch
+            pass
+    if value_dependent:
+        return UntraceableError(
+            f"cannot trace the {phase} pass: op {op} in {where} needs the value of a tensor "
+            f"({type(err).__name__}: {err}). {_VALUE_HINT}")
+    if phase == FORWARD and op is not None:
+        return UntraceableError(
+            f"the forward pass failed at op {op} in {where}, on operands of shapes {shapes}: "
+            f"{err}. Check that the inputs fit the model: it was called with "
+            f"{_describe_inputs(args)}, and expects {_signature_hint(model)}.")
+    if phase == FORWARD and isinstance(err, TypeError):
+        return UntraceableError(
+            f"the inputs do not fit {_signature_hint(model)} ({err}); it was called with "
+            f"{_describe_inputs(args)}. Pass inputs as a tuple of positional arguments.")
+    at = f"op {op} in " if op else ""
+    return UntraceableError(f"the {phase} pass failed at {at}{where}: "
+                            f"{type(err).__name__}: {err}")
+
+
+def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: DeviceProfile,
+            autocast=None, train: bool = True, progress: Callable | None = None,
+            probe_limit: int = 0) -> StepGraph:
+    """Run one training step of `model` on fake copies of its state and record it.
+
+    ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
+    signatures whose tensors fit in that many bytes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import _pytree as pytree
+
+    from .probe import ProbeSet
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    probes = ProbeSet(probe_limit) if probe_limit > 0 else None
+    rec = _Recorder(profile, fake_mode, progress, probes)
+    modes = {m: m.training for m in model.modules()}
+    hooks = []
+    try:
+        with fake_mode:
+            fake_of: dict[int, Any] = {}      # id(real tensor) -> fake; keeps weight ties
+            state: dict[str, Any] = {}
+            names: dict[int, str] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if id(p) not in fake_of:
+                    fake_of[id(p)] = _fake_like(p, p.requires_grad)
+                    names[id(p)] = name
+                state[name] = fake_of[id(p)]
+            for name, b in model.named_buffers(remove_duplicate=False):
+                if id(b) not in fake_of:
+                    fake_of[id(b)] = _fake_like(b, False)
+                    names[id(b)] = name
+                state[name] = fake_of[id(b)]
+            fake_args = pytree.tree_map_only(
+                torch.Tensor, lambda t: _fake_like(t, t.requires_grad), tuple(inputs))
+
+            params = [fake_of[id(p)] for p in model.parameters() if p.requires_grad]
+            opt = None
+            if optimizer is not None:
+                opt = _make_optimizer(optimizer, params, fake_of, profile)
+                _warm_up_optimizer(opt)
+
+        # What exists when the step starts.
+        for p in model.parameters():
+            rec.register(fake_of[id(p)], PARAMETER, names[id(p)])
+            rec.param_module[id(fake_of[id(p)])] = names[id(p)].rpartition(".")[0]
+        for b in model.buffers():
+            rec.register(fake_of[id(b)], BUFFER, names[id(b)])
+        for i, a in enumerate(pytree.tree_leaves(fake_args)):
+            if isinstance(a, torch.Tensor):
+                rec.register(a, INPUT, f"inputs[{i}]")
+        if opt is not None:
+            pnames = {id(f): names[rid] for rid, f in fake_of.items() if rid in names}
+            for p, st in opt.state.items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        if state_on_device(opt, k, v, profile):
+                            rec.register(v, OPTIMIZER_STATE, f"{pnames.get(id(p), '?')}.{k}")
+                        else:
+                            rec.register_host(v)
+
+        def enter(name):
+            def hook(_module, _args):
+                rec.module_stack.append(name)  # returns None: the inputs stay as they are
+            return hook
+
+        def leave(_module, _args, _output):
+            rec.module_stack.pop()  # returns None: the output stays as it is
+
+        for mname, m in model.named_modules():
+            hooks.append(m.register_forward_pre_hook(enter(mname)))
+            hooks.append(m.register_forward_hook(leave, always_call=True))
+        if train:
+            model.train()
+
+        phase_starts = {}
+        activations: set[int] = set()
+        amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
+               else contextlib.nullcontext())
+        try:
+            with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)):
+                phase_starts[FORWARD] = len(rec.ops)
+                with amp:
+                    out = torch.func.functional_call(model, state, fake_args)
+                    loss = _to_loss(out, loss_fn)
+                del out
+                _check_loss(loss)
+                # Whatever the forward pass made and is still alive now is kept for
+                # backward (or is the loss itself): the activations.
+                activations = {tid for tid in rec.live.values()
+                               if rec.tensors[tid].alloc_op != BEFORE_STEP}
+                rec.phase = BACKWARD
+                phase_starts[BACKWARD] = len(rec.ops)
+                loss.backward()
+                del loss
+                if opt is not None:
+                    rec.phase = OPTIMIZER
+                    phase_starts[OPTIMIZER] = len(rec.ops)
+                    opt.step()
+        except PlannerError:
+            raise
+        except Exception as e:
+            raise _untraceable(rec, e, model, tuple(inputs)) from e
+
+        grads = set()
+        for f in params:
+            if f.grad is not None:
+                tid = rec.live.get(_storage_key(f.grad))
+                if tid is not None:
+                    grads.add(tid)
+        rec.close()
+        probe_stats = None
+        if probes is not None:
+            scratch, probe_stats = probes.measure(progress)
+            for i, ws in scratch.items():
+                rec.ops[i].scratch = ws
+        for tid in activations:
+            rec.tensors[tid].category = ACTIVATION
+        for tid in grads:
+            rec.tensors[tid].category = GRADIENT
+        return StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
+                         phase_starts=phase_starts,
+                         meta={"model": type(model).__name__, "train": train,
+                               "optimizer": type(opt).__name__ if opt is not None else None,
+                               "foreach": (opt.param_groups[0].get("foreach")
+                                           if opt is not None else None),
+                               "autocast": str(autocast).replace("torch.", "") if autocast else None,
+                               "inputs": _describe_inputs(tuple(inputs)),
+                               "kernel_scratch_probe": probe_stats,
+                               "torch_version": torch.__version__})
+    finally:
+        rec.close()
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode

@@ -1,0 +1,106 @@
+"""``pymemplan trace``: predict a training step's memory from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+OPTIMIZERS = {"none": None, "adam": "Adam", "adamw": "AdamW", "sgd": "SGD",
+              "sgd-momentum": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
+AUTOCAST = {"none": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+            "float16": "float16"}
+
+
+def add_parser(sub) -> None:
+    from .models import BUILTIN, DEFAULT_MODEL
+
+    p = sub.add_parser(
+        "trace", help="predict the memory of one training step, without a GPU",
+        description="Trace one training step (forward, backward, optionally the optimizer "
+                    "step) on fake tensors and predict its memory on the target device: "
+                    "peak, what fills it, and when. With no MODEL, traces the built-in "
+                    f"{DEFAULT_MODEL}.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
+                   help=f"a built-in example ({', '.join(BUILTIN)}) or path/to/file.py:factory "
+                        f"returning (model, inputs) or (model, inputs, loss_fn)")
+    p.add_argument("--batch", type=int, help="batch size (default: the model's example)")
+    p.add_argument("--seq-len", type=int, help="sequence length, for language models")
+    p.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS),
+                   help="optimizer whose steady-state step is traced (default adam; none: "
+                        "forward + backward only)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="device whose memory is predicted (default cuda; no GPU needed)")
+    p.add_argument("--autocast", default="none", choices=list(AUTOCAST),
+                   help="trace under autocast to this dtype")
+    p.add_argument("--no-probe", action="store_true",
+                   help="with --device cpu: do not run kernels to measure their scratch "
+                        "memory (nothing real is allocated; oneDNN scratch is then missed)")
+    p.add_argument("--top", type=int, default=10, help="rows in the module and tensor tables")
+    p.add_argument("--plot", metavar="PNG", help="write a plot of live memory over the step")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def _optimizer(name: str):
+    import torch
+
+    cls_name = OPTIMIZERS[name]
+    if cls_name is None:
+        return None
+    cls = getattr(torch.optim, cls_name)
+    if name == "sgd-momentum":
+        return lambda params: cls(params, lr=0.01, momentum=0.9)
+    if name == "sgd":
+        return lambda params: cls(params, lr=0.01)
+    return cls
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    try:
+        import torch
+
+        from .api import trace
+        from .capture import PlannerError
+        from .models import load_workload
+    except ImportError as e:  # torch is an optional dependency of pymemplan
+        print(f"pymemplan trace: needs PyTorch ({e}); pip install torch", file=sys.stderr)
+        return 2
+    for flag in ("batch", "seq_len"):
+        v = getattr(args, flag)
+        if v is not None and v <= 0:
+            print(f"pymemplan trace: --{flag.replace('_', '-')} must be positive, got {v}",
+                  file=sys.stderr)
+            return 2
+    autocast = AUTOCAST[args.autocast]
+    try:
+        with err.status(f"building {args.model} on the meta device ...", spinner="dots") as status:
+            try:
+                w = load_workload(args.model, batch=args.batch, seq_len=args.seq_len)
+            except ImportError as e:
+                raise ValueError(f"the example {args.model!r} needs {e.name or e}: "
+                                 f"pip install 'pymemplan[bench]' (torchvision, transformers)")
+
+            def progress(phase, n):
+                status.update(f"tracing {w.name}: {phase} pass, {n:,} ops ...")
+
+            status.update(f"tracing {w.name} ...")
+            t = trace(w.model, w.inputs, loss_fn=w.loss_fn, optimizer=_optimizer(args.optimizer),
+                      device=args.device,
+                      autocast=getattr(torch, autocast) if autocast else None,
+                      probe_kernels=False if args.no_probe else None, progress=progress)
+    except (PlannerError, ValueError, OSError) as e:
+        print(f"pymemplan trace: {e}", file=sys.stderr)
+        return 2
+    t.graph.meta["workload"] = w.description
+    if args.plot:
+        t.plot(args.plot)
+    if args.json:
+        print(t.to_json(top=args.top, timeline=False))
+    else:
+        t.print(top=args.top)
+        if args.plot:
+            err.print(f"plot written to {args.plot}")
+    return 0

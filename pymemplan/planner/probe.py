@@ -1,0 +1,110 @@
+"""Kernel scratch: memory a kernel allocates and frees *inside* one op.
+
+Fake tensors see an op's inputs and outputs, never the buffers its kernel takes from the
+allocator while it runs. Most kernels take none; some take a lot. On the CPU, oneDNN
+convolution copies input, weight and output into its own blocked layouts (each as large
+as the tensor itself) and batch-norm backward keeps a full-size buffer; which ops do
+this, and how much, depends on the library build and on the machine's instruction set.
+
+So the planner measures instead of guessing: when the target device is this machine's
+CPU, every distinct op signature of the step (op, shapes, strides, dtypes, arguments) is
+run once on real zero-filled tensors under the allocation recorder
+(:class:`pymemplan.traces.record`). The op's scratch is the highest rise of the
+allocator's total during the op minus what is still allocated when it returns (its
+outputs). That is exact for this machine and needs no list of ops. Signatures whose
+tensors would need more than ``limit`` bytes are not run (their scratch counts as 0 and
+the trace says how many were skipped).
+
+A CUDA target cannot be probed without a GPU: cuDNN and cuBLAS workspaces are a
+documented gap of the CUDA prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class _Unprobeable(Exception):
+    pass
+
+
+def _leaf_key(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset(),
+                x.untyped_storage().nbytes())
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device,
+                                   torch.memory_format, torch.layout)):
+        return ("V", type(x).__name__, x)
+    raise _Unprobeable(type(x).__name__)
+
+
+@dataclass
+class ProbeSet:
+    """Distinct op signatures seen during capture, and the ops that share each."""
+
+    limit: int
+    signatures: dict = field(default_factory=dict)   # key -> (func, spec, leaf keys, bytes)
+    ops: dict = field(default_factory=dict)          # key -> [op index, ...]
+    unprobeable: int = 0
+
+    def add(self, index: int, func, args, kwargs, out_bytes: int) -> None:
+        from torch.utils import _pytree as pytree
+
+        if getattr(func, "is_view", False):
+            return  # views allocate nothing
+        leaves, spec = pytree.tree_flatten((args, kwargs or {}))
+        try:
+            keys = tuple(_leaf_key(x) for x in leaves)
+        except _Unprobeable:
+            self.unprobeable += 1
+            return
+        key = (func, str(spec), keys)
+        if key not in self.signatures:
+            need = out_bytes + sum(k[5] for k in keys if k[0] == "T")
+            self.signatures[key] = (func, spec, keys, need)
+        self.ops.setdefault(key, []).append(index)
+
+    def measure(self, progress=None) -> tuple[dict[int, int], dict]:
+        """Run each signature once; return ({op index: scratch bytes}, statistics)."""
+        import torch
+        from torch.utils import _pytree as pytree
+
+        from ..traces import record
+
+        scratch: dict[int, int] = {}
+        stats = {"signatures": len(self.signatures), "probed": 0, "skipped_over_limit": 0,
+                 "failed": 0, "unprobeable_ops": self.unprobeable, "ops_with_scratch": 0}
+        for n, (key, (func, spec, keys, need)) in enumerate(self.signatures.items()):
+            if need > self.limit:
+                stats["skipped_over_limit"] += 1
+                continue
+            leaves = []
+            for k in keys:
+                if k[0] == "T":
+                    _, shape, stride, dtype, offset, nbytes = k
+                    base = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+                    t = torch.empty(0, dtype=dtype).set_(
+                        base.untyped_storage(), offset, shape, stride)
+                    leaves.append(t)  # zeros: valid as indices, harmless as values
+                else:
+                    leaves.append(k[2])
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            try:
+                with torch.no_grad(), record(device="cpu", name=str(func)) as rec:
+                    out = func(*args, **kwargs)
+            except Exception:  # an op that cannot run on zeros (e.g. needs a positive size)
+                stats["failed"] += 1
+                continue
+            del out
+            m = rec.trace.meta
+            ws = (m["peak_total_allocated"] - m["final_total_allocated"]) if m.get("events") else 0
+            stats["probed"] += 1
+            if ws > 0:
+                stats["ops_with_scratch"] += len(self.ops[key])
+                for i in self.ops[key]:
+                    scratch[i] = ws
+            if progress is not None and n % 50 == 0:
+                progress("probing kernels", n)
+        return scratch, stats

@@ -1,0 +1,267 @@
+"""The planner's predictions: exact against real eager CPU steps, and the trace's views."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import pymemplan  # noqa: E402
+from pymemplan.planner import CATEGORIES, MemoryTrace  # noqa: E402
+from pymemplan.planner.measure import measure_step  # noqa: E402
+
+
+def ce_loss(out):
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    logits = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long,
+                                               device=logits.device))
+
+
+def mlp(layers=4, width=64, dropout=0.0):
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.GELU()]
+        if dropout:
+            mods.append(nn.Dropout(dropout))
+    return nn.Sequential(*mods, nn.Linear(width, 10))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block written with SDPA and dropout."""
+
+    def __init__(self, d=32, heads=4, dropout=0.1, attn_mask=False):
+        super().__init__()
+        self.heads, self.attn_mask = heads, attn_mask
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.drop = nn.Dropout(dropout)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() if self.attn_mask \
+            else None
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, d)))
+        return x + self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=50, d=32, layers=2, heads=4, attn_mask=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, attn_mask=attn_mask) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied, as in GPT-2
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def small_cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def sgd_momentum(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+CASES = {
+    "mlp": (lambda: mlp(dropout=0.1), lambda: (torch.randn(16, 64),)),
+    "cnn": (small_cnn, lambda: (torch.randn(4, 3, 16, 16),)),
+    "tiny_lm": (TinyLM, lambda: (torch.randint(0, 50, (2, 16)),)),
+    "tiny_lm_mask": (lambda: TinyLM(attn_mask=True), lambda: (torch.randint(0, 50, (2, 16)),)),
+}
+
+
+@pytest.mark.parametrize("optimizer", [None, torch.optim.Adam, sgd_momentum, torch.optim.AdamW],
+                         ids=["fwd_bwd", "adam", "sgd_momentum", "adamw"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_prediction_matches_real_eager_step(case, optimizer):
+    make_model, make_inputs = CASES[case]
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs()
+    predicted = pymemplan.trace(model, inputs, loss_fn=ce_loss, optimizer=optimizer,
+                                device="cpu").peak_bytes
+    measured = measure_step(model, inputs, loss_fn=ce_loss, optimizer=optimizer).peak_bytes
+    assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
+
+
+def test_hugging_face_gpt2_cpu_prediction_is_exact():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                  n_positions=64, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 32))
+    t = pymemplan.trace(model, (ids,), loss_fn=ce_loss, optimizer=torch.optim.AdamW, device="cpu")
+    measured = measure_step(model, (ids,), loss_fn=ce_loss, optimizer=torch.optim.AdamW)
+    assert abs(t.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
+    # Module paths are those of the model: per-block attention activations are found.
+    assert any(p.startswith("transformer.h.1.attn") for p in t.by_module())
+    assert set(t.by_module(depth=3)) >= {"transformer.h.0", "transformer.h.1"}
+
+
+@pytest.fixture(scope="module")
+def lm_trace() -> MemoryTrace:
+    torch.manual_seed(0)
+    return pymemplan.trace(TinyLM(), (torch.randint(0, 50, (4, 32)),), loss_fn=ce_loss,
+                           optimizer=torch.optim.Adam, device="cpu")
+
+
+def test_timeline_breakdown_and_peak_agree(lm_trace):
+    t = lm_trace
+    tl = t.timeline
+    assert set(tl) == set(CATEGORIES) | {"total"}
+    assert len(tl["total"]) == len(t.ops)
+    assert int(tl["total"].max()) == t.peak_bytes == int(tl["total"][t.peak_index])
+    assert sum(t.breakdown().values()) == t.peak_bytes
+    # Steady state: Adam's two moments are live from the start, gradients by the end.
+    param_bytes = sum(x.size for x in t.tensors if x.category == "parameter")
+    assert param_bytes == sum(p.numel() * 4 for p in TinyLM().parameters())  # tied counted once
+    end = t.breakdown(len(t.ops) - 1)
+    assert end["gradient"] == param_bytes
+    assert end["optimizer_state"] >= 2 * param_bytes
+    assert set(t.phase_ranges()) == {"forward", "backward", "optimizer"}
+
+
+def test_tensors_at_peak_and_free_schedule(lm_trace):
+    t = lm_trace
+    top = t.tensors_at_peak(5)
+    assert len(top) == 5
+    assert [x.bytes for x in top] == sorted((x.bytes for x in top), reverse=True)
+    live = t.tensors_at(t.peak_index)
+    assert sum(x.bytes for x in live) == t.peak_bytes
+    for x in top:
+        assert x.category in CATEGORIES and x.dtype and isinstance(x.shape, tuple)
+        assert x.freed_after is None or x.freed_after >= t.peak_index
+    sched = t.free_schedule
+    made = [x for x in t.tensors if x.alloc_op >= 0]
+    assert set(sched) == {x.id for x in made}
+    for x in made:
+        assert x.alloc_op <= sched[x.id]
+        if x.freed_after is not None:
+            assert sched[x.id] <= x.freed_after  # no use after release
+    # Activations are made in the forward pass and released in the backward pass.
+    acts = [x for x in made if x.category == "activation" and x.freed_after is not None]
+    fwd_end = t.phase_ranges()["forward"][1]
+    assert acts and all(x.alloc_op < fwd_end <= x.freed_after for x in acts)
+    assert all(x.module for x in acts)
+
+
+def test_allocation_trace_replays_to_the_same_peak(lm_trace):
+    from pymemplan.traces import replay
+
+    tr = lm_trace.allocation_trace()
+    tr.validate()
+    assert tr.peak_live_bytes() == lm_trace.peak_bytes
+    r = replay(tr, ["torch", "pymemplan"], capacity="1GiB")
+    assert all(x.peak_reserved_bytes >= lm_trace.peak_bytes and x.ooms == 0 for x in r)
+
+
+def test_reports(lm_trace, tmp_path):
+    import json
+
+    text = str(lm_trace)
+    for word in ("peak", "activation", "optimizer state", "blocks.0"):
+        assert word in text
+    d = json.loads(lm_trace.to_json())
+    assert d["peak_bytes"] == lm_trace.peak_bytes
+    assert d["breakdown"] == lm_trace.breakdown()
+    assert len(d["timeline"]["total"]) == len(lm_trace.ops)
+    png = lm_trace.plot(tmp_path / "step.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tracing_leaves_the_model_untouched():
+    torch.manual_seed(0)
+    model = small_cnn()
+    model.eval()
+    model[1].train()  # mixed modes must come back as they were
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    pymemplan.trace(model, (torch.randn(2, 3, 8, 8),), loss_fn=ce_loss,
+                    optimizer=torch.optim.Adam)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert model[1].weight.grad is None
+    assert [m.training for m in model.modules()] == \
+        [False, False, True, False, False, False, False, False, False, False, False]
+    assert all(p.device.type == "cpu" and not type(p).__name__.startswith("Fake")
+               for p in model.parameters())
+
+
+def test_meta_model_far_larger_than_its_inputs_traces():
+    # 64 layers x 4096^2 fp32 = 4 GiB of parameters on the meta device: no memory.
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(64)])
+        x = torch.empty(8, 4096)
+    t = pymemplan.trace(model, (x,), loss_fn=lambda out: out.float().mean(),
+                        optimizer=torch.optim.Adam)
+    params = 64 * 4096 * 4096 * 4
+    assert t.breakdown(0)["parameter"] == params
+    assert t.peak_bytes >= 4 * params  # params, grads, two Adam moments
+
+
+def test_autocast_saves_low_precision_activations():
+    torch.manual_seed(0)
+    # Batch >> width: activations dominate the bf16 weight copies autocast also saves.
+    model, x = mlp(), torch.randn(1024, 64)
+    full = pymemplan.trace(model, (x,), loss_fn=ce_loss)
+    half = pymemplan.trace(model, (x,), loss_fn=ce_loss, autocast=torch.bfloat16)
+    acts = [a for a in half.tensors if a.category == "activation"]
+    assert any(a.dtype == "bfloat16" for a in acts)
+    assert sum(a.size for a in acts) < sum(a.size for a in full.tensors if a.category == "activation")
+    assert half.graph.meta["autocast"] == "bfloat16"
+
+
+def test_llama_7b_on_the_meta_device_traces_in_little_memory():
+    pytest.importorskip("transformers")
+    import resource
+
+    from pymemplan.planner.models import llama_7b
+
+    w = llama_7b(batch=1, seq_len=512)
+    n_params = sum(p.numel() for p in w.model.parameters())
+    assert n_params > 6.7e9  # LLaMA-2-7B's shapes; 27 GB of fp32 weights, more than this machine
+    t = pymemplan.trace(w.model, w.inputs, loss_fn=w.loss_fn, optimizer=torch.optim.AdamW,
+                        autocast=torch.bfloat16)
+    start = t.breakdown(0)
+    assert start["parameter"] == n_params * 4
+    assert start["optimizer_state"] == 2 * n_params * 4  # the step counters stay on the host
+    assert t.peak_bytes > 4 * n_params * 4  # params + grads + two moments + more
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 8 * 2**20  # KiB: < 8 GiB
+
+
+def test_cpu_kernel_scratch_is_measured_not_guessed():
+    # oneDNN convolution works in copies of its tensors that never show as tensors: the
+    # probe finds them by running each conv signature once; without it they are missed.
+    torch.manual_seed(0)
+    model, x = small_cnn(), torch.randn(8, 3, 32, 32)
+    probed = pymemplan.trace(model, (x,), loss_fn=ce_loss, device="cpu")
+    blind = pymemplan.trace(model, (x,), loss_fn=ce_loss, device="cpu", probe_kernels=False)
+    stats = probed.graph.meta["kernel_scratch_probe"]
+    assert stats["probed"] == stats["signatures"] > 0 and stats["failed"] == 0
+    assert blind.graph.meta["kernel_scratch_probe"] is None
+    assert all(op.scratch == 0 for op in blind.ops)
+    assert probed.peak_bytes >= blind.peak_bytes
+    measured = measure_step(model, (x,), loss_fn=ce_loss).peak_bytes
+    assert abs(probed.peak_bytes - measured) <= abs(blind.peak_bytes - measured)
+    assert abs(probed.peak_bytes - measured) <= 0.005 * measured
+    # Scratch appears in the predicted allocation trace and the timeline alike.
+    assert probed.allocation_trace().peak_live_bytes() == probed.peak_bytes
+    with pytest.raises(pymemplan.PlannerError, match="device='cpu' only"):
+        pymemplan.trace(model, (x,), loss_fn=ce_loss, device="cuda", probe_kernels=True)

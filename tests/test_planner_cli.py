@@ -1,0 +1,67 @@
+"""`pymemplan trace` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pymemplan.cli import main  # noqa: E402
+
+
+def test_trace_builtin_model_json(capsys):
+    rc = main(["trace", "mlp", "--batch", "8", "--device", "cpu", "--optimizer", "none", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["device"] == "cpu" and d["meta"]["optimizer"] is None
+    assert d["peak_bytes"] == sum(d["breakdown"].values())
+    # 24 x Linear(2048, 2048) + Linear(2048, 1000): the parameters alone.
+    assert d["breakdown"]["parameter"] == (24 * (2048 * 2048 + 2048) + 2048 * 1000 + 1000) * 4
+
+
+def test_trace_table_plot_and_autocast(tmp_path, capsys):
+    png = tmp_path / "gpt2.png"
+    rc = main(["trace", "gpt2", "--batch", "1", "--seq-len", "32", "--autocast", "bf16",
+               "--optimizer", "adamw", "--plot", str(png)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Predicted memory of one training step on cuda" in out
+    assert "AdamW (foreach)" in out and "bfloat16" in out and "transformer.h." in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trace_user_factory(tmp_path, capsys):
+    f = tmp_path / "mymodel.py"
+    f.write_text(
+        "import torch\n"
+        "def build(batch=2):\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),\n"
+        "                                torch.nn.Linear(16, 1))\n"
+        "    return model, (torch.randn(batch, 16),), lambda out: out.pow(2).mean()\n")
+    rc = main(["trace", f"{f}:build", "--batch", "3", "--device", "cpu", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["meta"]["inputs"] == "(tensor(3, 16) float32)"
+    assert d["meta"]["optimizer"] == "Adam"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "no-such-model"], "unknown model 'no-such-model'"),
+    (["trace", "missing.py:make"], "does not exist"),
+    (["trace", "mlp", "--batch", "0"], "--batch must be positive"),
+])
+def test_trace_bad_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_import_pymemplan_does_not_import_torch():
+    code = ("import sys, pymemplan, pymemplan.cli; "
+            "assert 'torch' not in sys.modules; "
+            "assert callable(pymemplan.trace); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

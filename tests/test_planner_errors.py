@@ -1,0 +1,108 @@
+"""Bad input gets a clear error that names what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import pymemplan  # noqa: E402
+from pymemplan.planner import PlannerError, UntraceableError  # noqa: E402
+
+
+class Gate(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.mode == "item":
+            return x * x.abs().max().item()
+        if self.mode == "if":
+            return x if x.sum() > 0 else -x
+        return x[x > 0]  # data-dependent output size
+
+
+class Net(nn.Module):
+    def __init__(self, mode="item"):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 8), Gate(mode))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.enc(x))
+
+
+def mean_loss(out):
+    return out.mean()
+
+
+@pytest.mark.parametrize("mode", ["item", "if", "mask"])
+def test_value_dependent_forward_names_op_module_and_fix(mode):
+    with pytest.raises(UntraceableError) as e:
+        pymemplan.trace(Net(mode), (torch.randn(4, 8),), loss_fn=mean_loss)
+    msg = str(e.value)
+    assert "module 'enc.1'" in msg
+    assert "aten." in msg                      # the op
+    assert "torch.where" in msg and "values" in msg  # what to change
+
+
+def test_inputs_that_do_not_fit_the_model():
+    model = Net()
+    with pytest.raises(UntraceableError) as e:
+        pymemplan.trace(model, (torch.randn(4, 5),), loss_fn=mean_loss)
+    msg = str(e.value)
+    assert "module 'enc.0'" in msg and "aten." in msg
+    assert "tensor(4, 5)" in msg and "inputs fit the model" in msg
+
+    with pytest.raises(UntraceableError, match=r"do not fit Net\.forward\(x\)"):
+        pymemplan.trace(model, (torch.randn(4, 8), torch.randn(4, 8)), loss_fn=mean_loss)
+    with pytest.raises(PlannerError, match="tuple of positional arguments"):
+        pymemplan.trace(model, {"x": torch.randn(4, 8)}, loss_fn=mean_loss)
+
+
+def test_loss_that_is_not_a_scalar():
+    model = nn.Linear(8, 3)
+    with pytest.raises(PlannerError, match=r"scalar, got a tensor of shape \(4, 3\).*loss_fn"):
+        pymemplan.trace(model, (torch.randn(4, 8),))
+    with pytest.raises(PlannerError, match="scalar"):
+        pymemplan.trace(model, (torch.randn(4, 8),), loss_fn=lambda out: out.sum(0))
+    with pytest.raises(PlannerError, match="does not depend on any parameter"):
+        pymemplan.trace(model, (torch.randn(4, 8),), loss_fn=lambda out: out.detach().sum())
+    with pytest.raises(PlannerError, match="not a scalar loss; pass loss_fn"):
+        pymemplan.trace(nn.LSTM(8, 8), (torch.randn(2, 3, 8),))
+
+
+@pytest.mark.parametrize("bad", [42, nn.Linear, "adam", lambda params: nn.Linear(2, 2)],
+                         ids=["int", "module_class", "string", "factory_returning_module"])
+def test_optimizer_that_is_not_an_optimizer(bad):
+    with pytest.raises(PlannerError, match="not (an optimizer|a torch.optim.Optimizer)"):
+        pymemplan.trace(nn.Linear(8, 1), (torch.randn(4, 8),), loss_fn=mean_loss, optimizer=bad)
+
+
+def test_optimizer_instance_is_rebuilt_on_fake_parameters():
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    t = pymemplan.trace(model, (torch.randn(4, 8),), loss_fn=mean_loss, optimizer=opt,
+                        device="cpu")
+    assert t.graph.meta["optimizer"] == "SGD"
+    assert t.breakdown(0)["optimizer_state"] == 9 * 4  # one momentum buffer per parameter
+    assert opt.state == {} or all(not v for v in opt.state.values())  # the real one untouched
+
+
+def test_other_bad_arguments():
+    model = nn.Linear(8, 1)
+    x = torch.randn(4, 8)
+    with pytest.raises(PlannerError, match="'cuda' .* or 'cpu'"):
+        pymemplan.trace(model, (x,), loss_fn=mean_loss, device="tpu")
+    with pytest.raises(PlannerError, match="autocast"):
+        pymemplan.trace(model, (x,), loss_fn=mean_loss, autocast=torch.float64)
+    with pytest.raises(PlannerError, match="nn.Module"):
+        pymemplan.trace(lambda x: x, (x,), loss_fn=mean_loss)
+    # A failed trace leaves the model as it was.
+    model.train(False)
+    with pytest.raises(UntraceableError):
+        pymemplan.trace(Net(), (torch.randn(4, 8),), loss_fn=mean_loss)
+    assert model.training is False
