@@ -265,3 +265,22 @@ def test_cpu_kernel_scratch_is_measured_not_guessed():
     assert probed.allocation_trace().peak_live_bytes() == probed.peak_bytes
     with pytest.raises(pymemplan.PlannerError, match="device='cpu' only"):
         pymemplan.trace(model, (x,), loss_fn=ce_loss, device="cuda", probe_kernels=True)
+
+
+def test_reserved_peak_replays_the_predicted_step_through_allocator_policies():
+    # 4 MiB weights with Adam state and small activations: the allocators' segment rules
+    # decide how much is reserved beyond the live bytes.
+    layers = [torch.nn.Linear(512, 2048) if i % 2 == 0 else torch.nn.Linear(2048, 512)
+              for i in range(8)]
+    t = pymemplan.trace(torch.nn.Sequential(*layers), (torch.randn(64, 512),),
+                        loss_fn=lambda o: o.sum(), optimizer=torch.optim.Adam)
+    torch_peak = t.reserved_peak("torch")
+    assert torch_peak >= t.peak_bytes
+    assert torch_peak % (2 << 20) == 0  # whole segments
+    assert t.reserved_peak("pymemplan-vmm") <= torch_peak
+    assert t.peak_bytes <= t.reserved_peak("nocache") <= t.peak_bytes * 1.01
+    assert t.reserved_peak("torch", iterations=1) <= torch_peak
+    with pytest.raises(ValueError, match="does not fit"):
+        t.reserved_peak("torch", capacity="64MiB")
+    with pytest.raises(ValueError, match="unknown allocator policy"):
+        t.reserved_peak("jemalloc")

@@ -208,6 +208,61 @@ class MemoryTrace:
         return {t.id: t.last_use for t in self.graph.tensors if t.alloc_op != BEFORE_STEP}
 
     # -- allocator view ------------------------------------------------------------------
+    def reserved_peak(self, policy: str = "torch", *, iterations: int = 3,
+                      capacity="80GiB", granularity="2MiB") -> int:
+        """Predicted peak *reserved* memory under an allocator policy, fragmentation included:
+        the predicted allocation trace, with the step repeated ``iterations`` times (the
+        state left by one step shapes the next), replayed through the allocator model.
+
+        ``policy``: "torch" (PyTorch's native caching allocator), "pymemplan",
+        "pymemplan-vmm", "nocache", or "name=key:value,..." as for ``pymemplan replay``.
+        This is the number that decides whether a run hits OOM; compare it with
+        ``peak_bytes``, the live tensor bytes no allocator can go below.
+        """
+        from ..traces.replay import replay
+
+        if not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"iterations must be a positive integer, not {iterations!r}")
+        (result,) = replay(self._repeated_trace(iterations), [policy], capacity=capacity,
+                           granularity=granularity)
+        if result.ooms:
+            raise ValueError(
+                f"the predicted step does not fit in a {capacity} device under policy "
+                f"{policy!r} ({result.ooms} allocations refused); pass a larger capacity")
+        return result.peak_reserved_bytes
+
+    def _repeated_trace(self, iterations: int):
+        """The allocation trace with the step repeated. Tensors from before the step that it
+        keeps (parameters, optimizer state) are allocated once; those it frees (the inputs)
+        come anew with every step; tensors the step creates and keeps (gradients) are freed
+        before the next step, as zero_grad(set_to_none=True) does."""
+        from ..traces.trace import ALLOC, FREE, Trace
+
+        one = self.allocation_trace()
+        rows = list(zip(one.action.tolist(), one.ptr.tolist(), one.size.tolist(),
+                        one.stream.tolist(), one.time.tolist()))
+        before = {t.id for t in self.graph.tensors if t.alloc_op == BEFORE_STEP}
+        freed_in_step = {r[1] for r in rows if r[0] == FREE}
+        kept = before - freed_in_step
+        prologue = [r for r in rows if r[0] == ALLOC and r[1] in kept]
+        step = [r for r in rows if not (r[0] == ALLOC and r[1] in kept)]
+        offset = 1 + max((r[1] for r in rows), default=0)
+        out = list(prologue)
+        leftovers: list[tuple] = []
+        for k in range(iterations):
+            out.extend((FREE, r[1], r[2], r[3], r[4]) for r in leftovers)
+            live: dict[int, tuple] = {}
+            for a, ptr, size, stream, t in step:
+                if ptr not in kept:
+                    ptr += k * offset
+                out.append((a, ptr, size, stream, t))
+                if a == ALLOC:
+                    live[ptr] = (a, ptr, size, stream, t)
+                elif a == FREE:
+                    live.pop(ptr, None)
+            leftovers = list(live.values())
+        return Trace.from_events(out, name=f"{one.name} x{iterations}")
+
     def allocation_trace(self, name: str | None = None):
         """The predicted allocations and frees, as a :class:`pymemplan.traces.Trace`.
 
