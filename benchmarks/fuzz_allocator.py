@@ -27,6 +27,7 @@ CONFIGS = [
     ("torch", "", 4 * GiB, 0, 3, True),
     ("torch", "max_split_size_mb:64,roundup_power2_divisions:4", 16 * GiB, 3 * GiB, 4, True),
     ("nocache", "", 4 * GiB, 0, 3, True),
+    ("pymemplan-planned", "", 4 * GiB, 0, 3, True),
 ]
 
 

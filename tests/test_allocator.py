@@ -323,7 +323,7 @@ def test_double_free_of_a_block_waiting_on_events():
 
 
 @pytest.mark.parametrize("policy,config,match", [
-    ("tensorflow", "", "unknown allocator policy 'tensorflow'.*pymemplan, pymemplan-vmm, torch, nocache"),
+    ("tensorflow", "", "unknown allocator policy 'tensorflow'.*pymemplan, pymemplan-vmm, pymemplan-planned, torch, nocache"),
     ("torch", "max_split_size:128", "unknown key 'max_split_size'.*max_split_size_mb"),
     ("torch", "max_split_size_mb:abc", "bad value 'abc' for 'max_split_size_mb'"),
     ("torch", "max_split_size_mb:10", "expected an integer > 20"),

@@ -19,6 +19,7 @@ POLICIES = [
     ("pymemplan-vmm", ""),
     ("pymemplan-vmm", "vmm_segment_mb:64,release_before_grow:False"),
     ("nocache", ""),
+    ("pymemplan-planned", ""),
 ]
 STREAMS = st.sampled_from([0, 1, 2])
 SIZES = st.one_of(

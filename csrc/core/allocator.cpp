@@ -521,6 +521,7 @@ void CachingAllocator::free_block(Block* b) {
   update_stat(&Stats::active_bytes, small, -static_cast<std::int64_t>(b->size));
   b->requested = 0;
   b->free_seq = ++free_seq_;
+  b->segment->may_have_unused_pages = true;
   if (config_.kind == PolicyKind::NoCache) {
     release_segment(b);
     return;
@@ -745,16 +746,24 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
   const std::size_t page = device_->granularity();
   std::size_t reclaimed = 0;
   for (auto& [addr, seg] : segments_) {
-    if (!seg->vmm || seg->mapped == 0) continue;
+    // Pages become unused only when a block is freed: skip segments without a free since
+    // their last complete scan (growth phases call this at every new page).
+    if (!seg->vmm || seg->mapped == 0 || !seg->may_have_unused_pages) continue;
     if (reclaimed >= want) break;
     const std::vector<bool> used = pages_in_use(seg);
     std::vector<std::size_t> victims;
-    for (std::size_t i = 0; i < seg->pages.size() && reclaimed + victims.size() * page < want; ++i) {
+    bool kept_some = false;  // unused pages left mapped: the segment stays worth a scan
+    std::size_t i = 0;
+    for (; i < seg->pages.size() && reclaimed + victims.size() * page < want; ++i) {
       if (seg->pages[i] == 0 || used[i]) continue;
       const std::uintptr_t plo = seg->addr + i * page;
-      if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
+      if (seg == keep && plo < keep_hi && keep_lo < plo + page) {
+        kept_some = true;
+        continue;
+      }
       victims.push_back(i);
     }
+    seg->may_have_unused_pages = kept_some || i < seg->pages.size();
     if (victims.empty()) continue;
     // The owners of free blocks over these pages may still have queued work on them.
     std::vector<StreamId> owners;
@@ -765,7 +774,7 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
       }
     }
     for (StreamId s : owners) synchronize_stream(s);
-    for (std::size_t i : victims) unmap_page(seg, i);
+    for (std::size_t v : victims) unmap_page(seg, v);
     reclaimed += victims.size() * page;
   }
   return reclaimed;

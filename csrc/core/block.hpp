@@ -48,6 +48,7 @@ struct Segment {
   bool vmm = false;
   std::vector<PageHandle> pages;
   std::size_t mapped = 0;  // pages mapped
+  bool may_have_unused_pages = false;  // a block was freed here since the last reclaim scan
 };
 
 // Free blocks ordered by (owner stream, size, address): lower_bound on (stream, n, 0) is the

@@ -72,7 +72,8 @@ bool parse_bool(const std::string& key, const std::string& value) {
 }  // namespace
 
 std::vector<std::string> PolicyConfig::policy_names() {
-  return {"pymemplan", "pymemplan-vmm", "torch", "nocache"};
+  // pymemplan-planned is built by the factory (planned.cpp) around a pymemplan pool.
+  return {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache"};
 }
 
 std::string PolicyConfig::policy_name() const {

@@ -1,9 +1,14 @@
 #include "allocator.hpp"
+#include "planned.hpp"
 
 namespace pymemplan {
 
 std::unique_ptr<Allocator> make_allocator(std::shared_ptr<Device> device, const std::string& policy,
                                           const std::string& config) {
+  // Plan-guided placement over a "pymemplan" pool (planned.hpp).
+  if (policy == "pymemplan-planned") {
+    return std::make_unique<PlannedAllocator>(std::move(device), PlannedConfig::parse(config));
+  }
   return std::make_unique<CachingAllocator>(std::move(device), PolicyConfig::parse(policy, config));
 }
 

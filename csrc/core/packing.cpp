@@ -13,41 +13,64 @@ namespace {
 
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 
-// Greedy placement in `order`. Returns the arena; fills offsets and the index of the block
-// that sets the arena's top. `limit`: give up once the arena reaches it (no improvement).
+// Greedy placement in `order`. Fixed bins (capacities) are tried first, the smallest fitting
+// gap wins; otherwise the block goes to the arena (bin == capacities.size()), best fit or on
+// top. Returns the arena; fills offsets, bins and the block that sets the arena's top.
+// `limit`: give up once the arena reaches it (no improvement possible).
 std::size_t place(const std::vector<PackBlock>& blocks, std::size_t period,
+                  const std::vector<std::size_t>& capacities,
                   const std::vector<std::size_t>& order, std::vector<std::size_t>& offsets,
-                  std::size_t* top_block, std::size_t limit) {
+                  std::vector<std::size_t>& bins, std::size_t* top_block, std::size_t limit) {
+  const std::size_t nbins = capacities.size() + 1;
   offsets.assign(blocks.size(), kNone);
-  std::vector<std::size_t> placed;
-  placed.reserve(blocks.size());
+  bins.assign(blocks.size(), kNone);
+  std::vector<std::vector<std::size_t>> placed(nbins);
   std::vector<std::pair<std::size_t, std::size_t>> ranges;
   std::size_t arena = 0;
   for (std::size_t i : order) {
     const PackBlock& b = blocks[i];
-    ranges.clear();
-    for (std::size_t j : placed) {
-      if (lifetimes_overlap(b, blocks[j], period)) {
-        ranges.emplace_back(offsets[j], offsets[j] + blocks[j].size);
-      }
-    }
-    std::sort(ranges.begin(), ranges.end());
-    // Best fit: the smallest gap between conflicting blocks that holds b, else above them all.
-    std::size_t best = kNone, best_gap = kNone, end = 0;
-    for (const auto& [lo, hi] : ranges) {
-      if (lo > end) {
-        const std::size_t gap = lo - end;
-        if (gap >= b.size && gap < best_gap) {
-          best = end;
-          best_gap = gap;
+    std::size_t best = kNone, best_gap = kNone, best_bin = kNone;
+    for (std::size_t bin = 0; bin < nbins; ++bin) {
+      const bool fixed = bin < capacities.size();
+      if (fixed && capacities[bin] < b.size) continue;
+      if (!fixed && best != kNone) break;  // a fixed bin holds it
+      ranges.clear();
+      for (std::size_t j : placed[bin]) {
+        if (lifetimes_overlap(b, blocks[j], period)) {
+          ranges.emplace_back(offsets[j], offsets[j] + blocks[j].size);
         }
       }
-      end = std::max(end, hi);
+      std::sort(ranges.begin(), ranges.end());
+      std::size_t end = 0, bin_best = kNone, bin_gap = kNone;
+      for (const auto& [lo, hi] : ranges) {
+        if (lo > end) {
+          const std::size_t gap = lo - end;
+          if (gap >= b.size && gap < bin_gap) {
+            bin_best = end;
+            bin_gap = gap;
+          }
+        }
+        end = std::max(end, hi);
+      }
+      if (fixed) {
+        if (capacities[bin] >= end + b.size && capacities[bin] - end < bin_gap) {
+          bin_best = end;
+          bin_gap = capacities[bin] - end;
+        }
+      } else if (bin_best == kNone) {
+        bin_best = end;
+        bin_gap = kNone;
+      }
+      if (bin_best != kNone && (best == kNone || bin_gap < best_gap)) {
+        best = bin_best;
+        best_gap = bin_gap;
+        best_bin = bin;
+      }
     }
-    if (best == kNone) best = end;
     offsets[i] = best;
-    placed.push_back(i);
-    if (best + b.size > arena) {
+    bins[i] = best_bin;
+    placed[best_bin].push_back(i);
+    if (best_bin == capacities.size() && best + b.size > arena) {
       arena = best + b.size;
       *top_block = i;
       if (arena >= limit) return arena;
@@ -90,6 +113,14 @@ std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period)
 
 PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
                        std::size_t search_rounds) {
+  PackResult r = pack_blocks_into(blocks, period, {}, search_rounds);
+  r.bins.clear();
+  return r;
+}
+
+PackResult pack_blocks_into(const std::vector<PackBlock>& blocks, std::size_t period,
+                            const std::vector<std::size_t>& capacities,
+                            std::size_t search_rounds) {
   for (const PackBlock& b : blocks) {
     if (b.start >= period || b.life == 0 || b.life > period) {
       throw std::invalid_argument("pack_blocks: block [" + std::to_string(b.start) + ", +" +
@@ -117,26 +148,30 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
     return blocks[a].start < blocks[b].start;
   });
 
-  std::vector<std::size_t> offsets, best_order;
+  std::vector<std::size_t> offsets, best_order, bins;
   std::size_t top = 0, best_top = 0;
   std::size_t best = kNone;
   for (const auto* order : {&by_size, &by_area, &by_start}) {
-    const std::size_t arena = place(blocks, period, *order, offsets, &top, best);
-    if (arena < best) {
+    const std::size_t arena = place(blocks, period, capacities, *order, offsets, bins, &top, best);
+    if (arena < best || r.offsets.empty()) {
       best = arena;
       best_order = *order;
       best_top = top;
       r.offsets = offsets;
+      r.bins = bins;
     }
-    if (best == r.bound) break;
+    if (best == 0 || (capacities.empty() && best == r.bound)) break;
   }
   // Local search: the block that sets the top goes earlier in the order (to the front, or a
   // random earlier place), so it is placed before the blocks that pushed it up. Each round is
   // O(n^2); skip the search where that would cost too much.
   const double cost = static_cast<double>(n) * static_cast<double>(n);
-  if (cost * static_cast<double>(search_rounds) > 4e8) search_rounds = 0;
+  if (cost * static_cast<double>(search_rounds) > 4e7) {
+    search_rounds = static_cast<std::size_t>(4e7 / std::max(cost, 1.0));
+  }
   std::mt19937_64 rng(12345);
-  for (std::size_t round = 0; round < search_rounds && best > r.bound; ++round) {
+  const std::size_t target = capacities.empty() ? r.bound : 0;
+  for (std::size_t round = 0; round < search_rounds && best > target; ++round) {
     std::vector<std::size_t> order = best_order;
     auto pos = static_cast<std::size_t>(
         std::find(order.begin(), order.end(), best_top) - order.begin());
@@ -151,12 +186,13 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
       order.erase(order.begin() + static_cast<std::ptrdiff_t>(pos));
       order.insert(order.begin() + static_cast<std::ptrdiff_t>(to), moved);
     }
-    const std::size_t arena = place(blocks, period, order, offsets, &top, best);
+    const std::size_t arena = place(blocks, period, capacities, order, offsets, bins, &top, best);
     if (arena < best) {
       best = arena;
       best_order = std::move(order);
       best_top = top;
       r.offsets = offsets;
+      r.bins = bins;
     }
   }
   r.arena = best;

@@ -11,32 +11,47 @@
 //   `match_window` tokens finds earlier places where the same window occurred; each gives a
 //   candidate period P >= min_period. A candidate is scored by its coverage: the share of the
 //   bytes allocated in the last P events whose lifetime is known (freed, or predicted from the
-//   same allocation one period earlier) and at most P. Repeated layers inside one iteration
-//   give short periods with poor coverage (their saved activations live longer); the iteration
-//   gives coverage near 1, so it wins. Confirmed candidates (the whole last P events equal the
-//   P before) win ties.
+//   same allocation one period earlier) and at most P (>= 50% to be planned). Confirmed
+//   candidates (the last P events equal the P before) win ties. Detection runs while there is
+//   no plan or the active plan diverged within its last period; a plan is built from the last
+//   P events, so with an optimizer whose state appears in iteration 1 only, the plan of
+//   iteration 1 (its one-off long-lived allocations excluded) serves from iteration 3 on.
 // - Cut. The plan's period is rotated to start where the fewest planned bytes are alive (the
-//   iteration boundary in training); blocks alive across it wrap around the circle.
+//   iteration boundary in training); blocks alive across it wrap around the circle. Blocks
+//   living longer than a period (parameters, optimizer state) stay with the pool.
+// - Arming. A plan gets memory at its cut ("boundary"), after a pass in which requests of
+//   less than 1/32 of its arena failed to match it, and only if its bound is >= 20% of the
+//   highest live bytes (periods of repeated layers are not worth an arena). Arming first
+//   returns the pool's cached segments, then borrows the pool's free holes (> 1 MiB) between
+//   its long-lived blocks as bins, packs the plan into those holes first and the rest into one
+//   arena (a device segment), and never raises the highest reserved so far: if it would, the
+//   plan waits. One arena serves all plans (it grows when a larger plan arms).
 // - Serving. A cursor walks the plan's allocations. A request that matches the slot at the
-//   cursor (same rounded size and stream) gets arena + offset if that range of the arena is
-//   free now (otherwise the pool serves it: memory is never handed out twice). A mismatch
-//   looks ahead `resync_window` slots for a match (extra or missing requests); failing that
-//   the request goes to the pool and the iteration counts as diverged, which lets detection
-//   re-plan. A plan is armed (gets its arena) at its cut, when the pool holds the least.
-// - Several plans, keyed by the signature (hash) of their token sequence, up to `max_plans`
-//   (least recently used evicted). The first `kPrefix` allocations of each plan index it: after
-//   a mismatch, the last kPrefix requests select the plan that applies (alternating shapes).
-// - One arena, sized to the largest plan armed so far. While a plan is armed, the pool's
-//   wholly free cached segments are returned to the device at every iteration boundary.
-// - Streams. A planned slot freed after record_stream waits on events like a pool block; if
-//   the arena has served more than one stream, every freed range waits on an event recorded
-//   on its stream before any request may reuse it.
+//   cursor (same rounded size and stream) gets bin + offset if that range is free now
+//   (otherwise the pool serves it: memory is never handed out twice). A mismatch looks ahead:
+//   slots of one-off long-lived allocations are skipped freely, planned ones up to
+//   `resync_window`; failing that the request goes to the pool and the pass counts as
+//   diverged (which lets detection re-plan). Mismatched bytes above 1/16 of the arena in a
+//   pass disarm the plan. While no plan is armed, requests are placed in the free gaps of the
+//   arena and borrowed holes first (best fit), so held memory keeps serving. While arenas are
+//   held, the pool may grow past the highest reserved so far only after those gaps are full.
+//   At every boundary of an armed plan the pool's wholly free segments go back to the device.
+// - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
+//   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
+//   index it: after a mismatch, the last kPrefix requests select the plan that applies
+//   (alternating shapes); a plan seen again is recognised by its signature and not re-packed.
+// - Streams. A planned slot freed after record_stream waits on events like a pool block. An
+//   arena (or borrowed hole) used by one stream frees ranges without events; the first request
+//   of another stream starts a drain (an event on the first stream) and, from then on, every
+//   freed range waits on an event on its stream before any request may reuse it.
+// - Stats are the pool's plus the arenas' (an arena is a large-pool segment; a borrowed hole's
+//   pool block is replaced by the planned blocks inside it, in stats and snapshot), with the
+//   peaks of the sum tracked here. num_ooms counts requests the caller saw fail.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -48,6 +63,7 @@
 #include "allocator.hpp"
 #include "allocator_api.hpp"
 #include "config.hpp"
+#include "packing.hpp"
 
 namespace pymemplan {
 
@@ -55,18 +71,20 @@ namespace pymemplan {
 // the online pool):
 //   min_period       shortest period believed, in events (allocs + frees)      default 16
 //   match_window     events that must repeat before a period is considered     default 32
-//   max_period       longest period, in events (history kept: 2x this)         default 1048576
+//   max_period       longest period, in events (history kept: 2x this)         default 65536
 //   max_plans        plans kept (least recently used evicted)                  default 8
 //   resync_window    plan slots searched ahead after a mismatch                default 64
-//   search_rounds    local-search rounds of the packer per plan                default 16
+//   search_rounds    local-search rounds of the packer per plan                default 4
+//                    (each is a full greedy pass, O(blocks^2); on the benchmark traces it did
+//                    not improve on the best of the three greedy orders, so it is kept short)
 struct PlannedConfig {
   PolicyConfig pool;
   std::size_t min_period = 16;
   std::size_t match_window = 32;
-  std::size_t max_period = std::size_t{1} << 20;
+  std::size_t max_period = std::size_t{1} << 16;
   std::size_t max_plans = 8;
   std::size_t resync_window = 64;
-  std::size_t search_rounds = 16;
+  std::size_t search_rounds = 4;
 
   // Throws AllocatorError naming the bad key or value and listing the valid keys.
   static PlannedConfig parse(const std::string& conf);
@@ -102,10 +120,11 @@ class PlannedAllocator : public Allocator {
   std::size_t round_size(std::size_t size) const override;
   std::string policy_name() const override { return "pymemplan-planned"; }
   std::string config_string() const override;
+  std::int64_t reserved_bytes() const override;
 
   // Ordinal (0-based, among allocation requests) of the first request served from a plan, or
   // UINT64_MAX if none was.
-  std::uint64_t first_planned_request() const;
+  std::uint64_t first_planned_request() const override;
   // Figures about plans for benchmarks and tests: plans, arena_bytes, plan_arena_bytes,
   // plan_bound_bytes, plan_ratio (arena / bound of the last plan built), planned_requests,
   // pool_requests, divergences, plans_built, plan_switches, first_planned_request, ...
@@ -115,6 +134,7 @@ class PlannedAllocator : public Allocator {
   static constexpr std::size_t kNoOffset = std::numeric_limits<std::size_t>::max();
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
   static constexpr std::size_t kPrefix = 8;
+  static constexpr std::size_t kArenaBin = std::numeric_limits<std::size_t>::max() - 1;
 
   struct Event {
     std::uint64_t token = 0;
@@ -127,6 +147,8 @@ class PlannedAllocator : public Allocator {
     std::size_t size = 0;
     StreamId stream = 0;
     std::size_t offset = kNoOffset;  // kNoOffset: outlives the period, served by the pool
+    std::size_t time = 0;            // events since the plan's cut
+    std::size_t bin = 0;             // kArenaBin, or an index into borrowed_
   };
   struct Plan {
     std::uint64_t signature = 0;
@@ -136,6 +158,12 @@ class PlannedAllocator : public Allocator {
     std::size_t arena = 0;   // bytes the offsets need
     std::size_t bound = 0;   // peak of live planned bytes
     std::uint64_t last_used = 0;
+    bool validated = false;  // a pass over it matched (see kArmShare)
+    std::vector<PackBlock> blocks;        // the planned blocks, for packing into bins
+    std::vector<std::size_t> slot_block;  // per slot: its block, or kNoOffset
+    std::uint64_t packed_for = kNever;    // bins_version_ the slots' (bin, offset) are for
+    std::size_t need = 0;                 // arena bytes the packing into those bins needs
+    bool bins_packed = false;             // packed with the borrowed holes (else all in the arena)
   };
   struct Range {  // an occupied range of an arena
     std::size_t size = 0;
@@ -152,6 +180,11 @@ class PlannedAllocator : public Allocator {
     bool multi_stream = false;
     StreamId first_stream = 0;
     bool has_stream = false;
+    bool draining = false;  // became multi-stream; cross-stream reuse waits for this drain
+    // A free hole of the pool, held as a pool block (the pool counts it as reserved; its
+    // allocated/active/requested are replaced by the planned blocks inside).
+    bool borrowed = false;
+    std::size_t requested = 0;  // what was asked of the pool for it
   };
   struct Live {
     std::uint64_t id = 0;          // allocation ordinal
@@ -172,30 +205,42 @@ class PlannedAllocator : public Allocator {
   void* allocate_locked(std::size_t size, StreamId stream, bool* oom);
   void free_locked(void* ptr);
   Slot* match_plan(std::size_t rounded, StreamId stream);
-  void on_wrap();
+  void boundary();
   bool arm();
+  void disarm();
+  bool stream_ok(Arena& a, StreamId stream);
+  void guard(Arena& a, std::size_t offset, StreamId stream);
+  std::size_t best_gap(const Arena& a, std::size_t size) const;
   bool range_free(const Arena& a, std::size_t off, std::size_t size) const;
   void occupy(Arena& a, std::size_t off, std::size_t size, std::size_t requested);
   void release_range(Arena& a, std::size_t off);
   void maybe_retire(Arena* a);
   void release_arena(Arena* a);
+  void borrow_holes();
+  bool return_idle_borrowed();
+  bool repack(Plan& p);
+  Arena* bin_arena(const Slot& s) const {
+    return s.bin == kArenaBin ? arena_ : (s.bin < borrowed_.size() ? borrowed_[s.bin] : nullptr);
+  }
+  void* serve_from_gaps(std::size_t rounded, std::size_t size, StreamId stream, Live& l);
+  void offset_pool_stats(const Arena& a, int sign);
   void process_events();
   void synchronize_events();
 
-  void record_event(const Event& e);
+  std::uint64_t record_event(const Event& e);
+  bool should_plan(std::uint64_t n) const;
   std::uint64_t range_hash(std::uint64_t lo, std::uint64_t hi) const;
   const Event& ev(std::uint64_t g) const { return events_[static_cast<std::size_t>(g - base_)]; }
   Event& ev(std::uint64_t g) { return events_[static_cast<std::size_t>(g - base_)]; }
   void detect();
-  double coverage(std::size_t period, std::vector<std::size_t>* lifetimes) const;
-  void build_plan(std::size_t period, const std::vector<std::size_t>& lifetimes);
+  double coverage(std::uint64_t n, std::size_t period, std::vector<std::size_t>* lifetimes) const;
+  void build_plan(std::uint64_t n, std::size_t period, const std::vector<std::size_t>& lifetimes);
   void adopt(std::size_t plan_index, std::size_t cursor);
   std::uint64_t recent_prefix_hash() const;
 
   std::int64_t arenas_bytes() const;
   void sync_stats();
   void apply_limit();
-  Stats arena_stats_now() const;
 
   std::shared_ptr<Device> device_;
   PlannedConfig config_;
@@ -219,7 +264,11 @@ class PlannedAllocator : public Allocator {
   bool diverged_ = false;            // this pass over the plan saw a mismatch
   std::uint64_t last_divergence_ = 0;  // event index
   bool ever_diverged_ = false;
+  std::uint64_t pass_matches_ = 0;   // requests matched since the last boundary
+  std::size_t pass_miss_bytes_ = 0;  // bytes of requests not matched since then
   Arena* arena_ = nullptr;           // the current arena
+  std::vector<Arena*> borrowed_;     // holes of the pool held as bins (owned by arenas_)
+  std::uint64_t bins_version_ = 0;   // changes whenever borrowed_ does
   std::vector<std::unique_ptr<Arena>> arenas_;  // current and retired ones with live blocks
   std::unordered_map<std::uintptr_t, Live> live_;
   std::vector<Pending> pending_;
@@ -227,9 +276,14 @@ class PlannedAllocator : public Allocator {
 
   // Figures.
   std::uint64_t first_planned_ = kNever;
+  std::uint64_t gap_requests_ = 0;
   std::uint64_t planned_requests_ = 0, pool_requests_ = 0, divergences_ = 0;
   std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0;
-  double last_ratio_ = 0.0;
+  double last_ratio_ = 0.0, last_coverage_ = 0.0;
+  std::uint64_t arm_refusals_ = 0;
+  std::size_t refused_pool_bytes_ = 0, refused_need_bytes_ = 0;  // at the last refusal
+  std::int64_t reserved_hwm_ = 0;  // highest reserved ever (not reset with the peak stats)
+  std::int64_t live_hwm_ = 0;      // highest requested bytes ever
   std::size_t last_bound_ = 0, last_arena_ = 0;
 
   // Stats: the pool's plus the arenas', with peaks of the sum tracked here.

@@ -9,6 +9,8 @@
 #include "../core/allocator_api.hpp"
 #include "../core/config.hpp"
 #include "../core/errors.hpp"
+#include "../core/packing.hpp"  // pymemplan-planned (planned.hpp): pack_blocks
+#include "../core/planned.hpp"
 #include "../core/replay.hpp"
 #include "../devices/simulated_device.hpp"
 #include "../testing/fuzz.hpp"
@@ -103,6 +105,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "parse_config",
       [](const std::string& policy, const std::string& config) {
+        if (policy == "pymemplan-planned") return PlannedConfig::parse(config).to_string();
         return PolicyConfig::parse(policy, config).to_string();
       },
       py::arg("policy"), py::arg("config") = "",
@@ -167,7 +170,42 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("policy",
                              [](const Allocator& a) { return a.policy_name(); })
       .def_property_readonly("config",
-                             [](const Allocator& a) { return a.config_string(); });
+                             [](const Allocator& a) { return a.config_string(); })
+      // pymemplan-planned only (planned.hpp): figures about its plans.
+      .def("plan_stats", [](const Allocator& a) {
+        const auto* p = dynamic_cast<const PlannedAllocator*>(&a);
+        if (p == nullptr) throw AllocatorError("plan_stats: policy " + a.policy_name() + " has no plans");
+        py::dict d;
+        for (const auto& [k, v] : p->plan_stats()) d[py::str(k)] = v;
+        return d;
+      });
+
+  // pymemplan-planned's offline packer (packing.hpp), for tests and benchmarks: blocks alive
+  // during [start, start + life) on a circle of `period` steps get offsets in one arena.
+  m.def(
+      "pack_blocks",
+      [](const std::vector<std::size_t>& start, const std::vector<std::size_t>& life,
+         const std::vector<std::size_t>& size, std::size_t period, std::size_t search_rounds) {
+        if (start.size() != life.size() || start.size() != size.size()) {
+          throw AllocatorError("pack_blocks: start, life and size differ in length");
+        }
+        std::vector<PackBlock> blocks(start.size());
+        for (std::size_t i = 0; i < blocks.size(); ++i) blocks[i] = {start[i], life[i], size[i]};
+        PackResult r;
+        try {
+          r = pack_blocks(blocks, period, search_rounds);
+        } catch (const std::invalid_argument& e) {
+          throw AllocatorError(e.what());
+        }
+        py::dict d;
+        d["offsets"] = r.offsets;
+        d["arena"] = r.arena;
+        d["bound"] = r.bound;
+        d["ratio"] = r.ratio();
+        return d;
+      },
+      py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"),
+      py::arg("search_rounds") = 16);
 
   m.def(
       "fuzz",

@@ -42,7 +42,8 @@ bool throws(F f) {
 
 void bad_input(const std::string& policy) {
   auto dev = std::make_shared<SimulatedDevice>(std::size_t{1} << 30);
-  CachingAllocator a(dev, PolicyConfig::parse(policy));
+  auto owned = make_allocator(dev, policy);
+  Allocator& a = *owned;
   void* p = a.malloc(3 << 20, 0);
   CHECK(throws<AllocatorError>([&] { a.malloc(0, 0); }));
   CHECK(throws<AllocatorError>([&] { a.malloc(-1, 0); }));
@@ -54,7 +55,7 @@ void bad_input(const std::string& policy) {
   a.set_memory_limit(std::size_t{64} << 20);
   CHECK(throws<OutOfMemoryError>([&] { a.malloc(std::int64_t{65} << 20, 0); }));
   CHECK(a.try_malloc(std::int64_t{65} << 20, 0) == nullptr && !a.last_error().empty());
-  CHECK(throws<AllocatorError>([&] { PolicyConfig::parse(policy, "no_such_key:1"); }));
+  CHECK(throws<AllocatorError>([&] { make_allocator(dev, policy, "no_such_key:1"); }));
   void* r = a.malloc(1 << 20, 0);
   CHECK(r != nullptr);
   a.free(r);
@@ -65,7 +66,8 @@ void bad_input(const std::string& policy) {
 
 void threads(const std::string& policy) {
   auto dev = std::make_shared<SimulatedDevice>(std::size_t{16} << 30);
-  CachingAllocator a(dev, PolicyConfig::parse(policy));
+  auto owned = make_allocator(dev, policy);
+  Allocator& a = *owned;
   std::vector<std::thread> workers;
   for (int t = 0; t < 4; ++t) {
     workers.emplace_back([&a, t] {
@@ -104,7 +106,8 @@ int main(int argc, char** argv) {
                               {"pymemplan-vmm", "vmm_segment_mb:64"},
                               {"torch", ""},
                               {"torch", "max_split_size_mb:48,roundup_power2_divisions:4"},
-                              {"nocache", ""}};
+                              {"nocache", ""},
+                              {"pymemplan-planned", ""}};
   for (auto& c : configs) {
     try {
       FuzzOptions o;
@@ -123,7 +126,7 @@ int main(int argc, char** argv) {
       ++failures;
     }
   }
-  for (const char* p : {"pymemplan", "pymemplan-vmm", "torch", "nocache"}) {
+  for (const char* p : {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache"}) {
     bad_input(p);
     threads(p);
   }

@@ -1,0 +1,468 @@
+"""Policy pymemplan-planned: plan-guided placement (csrc/core/planned.{hpp,cpp}, packing.*)."""
+
+from __future__ import annotations
+
+import glob
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from allocator_checks import check_invariants
+from pymemplan import _core
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+POLICY = "pymemplan-planned"
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic training loops
+
+def make_iteration(seed, layers=12, scale=1.0, stream=0):
+    """One training step as ops ("a", key, size, stream) / ("f", key): a forward pass that keeps
+    one activation per layer (plus temporaries), a backward pass that frees them in reverse,
+    and gradients freed at the end. Layer sizes differ, so no shorter period exists."""
+    rng = random.Random(seed)
+    sizes = [int(rng.randint(2 * MiB, 24 * MiB) * scale) // 512 * 512 + rng.randint(0, 511)
+             for _ in range(layers)]
+    ops = []
+    for i, s in enumerate(sizes):
+        ops.append(("a", f"act{i}", s, stream))
+        ops.append(("a", f"tmp{i}", s // 3 + 700, stream))
+        ops.append(("f", f"tmp{i}"))
+    for i in reversed(range(layers)):
+        ops.append(("a", f"grad{i}", sizes[i] // 4 + 300, stream))
+        ops.append(("a", f"bt{i}", sizes[i] // 2 + 100, stream))
+        ops.append(("f", f"bt{i}"))
+        ops.append(("f", f"act{i}"))
+    for i in range(layers):
+        ops.append(("f", f"grad{i}"))
+    return ops
+
+
+def prologue(n=40, seed=99):
+    rng = random.Random(seed)
+    return [("a", f"param{i}", rng.randint(1, 8 * MiB), 0) for i in range(n)]
+
+
+class Runner:
+    """Drives an allocator through ops, tracking live bytes, and optionally checking every
+    invariant (no overlap, stats == recount) as it goes."""
+
+    def __init__(self, policy=POLICY, config="", capacity=64 << 30, auto=True):
+        self.device = _core.SimulatedDevice(capacity, auto_complete_events=auto)
+        self.alloc = _core.Allocator(self.device, policy, config)
+        self.ptr = {}      # key -> pointer
+        self.live = {}     # pointer -> size
+        self.ranges = {}   # pointer -> end
+        self.live_bytes = 0
+        self.peak_live = 0
+        self.requests = 0
+
+    def reset_peaks(self):
+        self.alloc.reset_peak_stats()
+        self.peak_live = self.live_bytes
+
+    def run(self, ops, it=0, check_every=0):
+        for n, op in enumerate(ops):
+            if op[0] == "a":
+                _, key, size, stream = op
+                key = (it, key)
+                p = self.alloc.malloc(size, stream)
+                self.requests += 1
+                for q, end in self.ranges.items():
+                    assert end <= p or p + size <= q, "overlapping live blocks"
+                self.ptr[key] = p
+                self.live[p] = size
+                self.ranges[p] = p + size
+                self.live_bytes += size
+                self.peak_live = max(self.peak_live, self.live_bytes)
+            else:
+                key = (it if (it, op[1]) in self.ptr else "persist", op[1])
+                p = self.ptr.pop(key)
+                self.alloc.free(p)
+                self.live_bytes -= self.live.pop(p)
+                del self.ranges[p]
+            if check_every and n % check_every == 0:
+                check_invariants(self.alloc, self.device, self.live)
+
+    def stats(self):
+        return self.alloc.stats()
+
+    def plan(self):
+        return self.alloc.plan_stats()
+
+
+def run_prologue(r):
+    for op in prologue():
+        p = r.alloc.malloc(op[2], op[3])
+        r.ptr[("persist", op[1])] = p
+        r.live[p] = op[2]
+        r.ranges[p] = p + op[2]
+        r.live_bytes += op[2]
+    r.peak_live = r.live_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+def test_config_keys_are_validated_and_listed():
+    d = _core.SimulatedDevice(1 << 30)
+    a = _core.Allocator(d, POLICY, "min_period:64,max_plans:3,max_split_size_mb:64")
+    assert a.policy == POLICY
+    assert "min_period:64" in a.config and "max_plans:3" in a.config
+    assert "max_split_size_mb:64" in a.config  # passed through to the pool
+    assert "min_period:64" in _core.parse_config(POLICY, "min_period:64")
+    for bad in ("max_plans:0", "min_period:x", "min_period:-3", "resync_window:", "nope:1",
+                "min_period:100,max_period:50", "max_split_size_mb:3", "garbage"):
+        with pytest.raises(_core.AllocatorError) as e:
+            _core.Allocator(d, POLICY, bad)
+        if bad.startswith("nope") or bad == "garbage":
+            assert "min_period" in str(e.value) and "max_split_size_mb" in str(e.value)
+
+
+def test_bad_input_raises_and_leaves_state_intact():
+    r = Runner(capacity=1 << 30)
+    p = r.alloc.malloc(1000, 0)
+    before = r.stats()
+    for size in (0, -5):
+        with pytest.raises(_core.AllocatorError):
+            r.alloc.malloc(size, 0)
+    with pytest.raises(_core.AllocatorError):
+        r.alloc.free(p + 512)
+    with pytest.raises(_core.AllocatorError):
+        r.alloc.free(12345)
+    with pytest.raises(_core.AllocatorError):
+        r.alloc.record_stream(12345, 1)
+    assert r.stats() == before
+    r.alloc.free(p)
+    with pytest.raises(_core.AllocatorError):
+        r.alloc.free(p)
+
+
+def test_plan_stats_only_for_the_planned_policy():
+    d = _core.SimulatedDevice(1 << 30)
+    with pytest.raises(_core.AllocatorError):
+        _core.Allocator(d, "pymemplan").plan_stats()
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+def _check_packing(start, life, size, period, res):
+    offs = res["offsets"]
+    n = len(start)
+
+    def overlap_t(i, j):
+        return (start[j] - start[i]) % period < life[i] or (start[i] - start[j]) % period < life[j]
+
+    for i in range(n):
+        assert offs[i] + size[i] <= res["arena"]
+        for j in range(i + 1, n):
+            if overlap_t(i, j):
+                assert offs[i] + size[i] <= offs[j] or offs[j] + size[j] <= offs[i], (i, j)
+    assert res["arena"] >= res["bound"]
+    assert res["ratio"] == pytest.approx(res["arena"] / res["bound"] if res["bound"] else 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 99), st.integers(1, 100), st.integers(1, 64)),
+                min_size=1, max_size=40))
+def test_packing_never_overlaps_in_time_and_space(blocks):
+    period = 100
+    start = [b[0] for b in blocks]
+    life = [b[1] for b in blocks]
+    size = [b[2] * 512 for b in blocks]
+    res = _core.pack_blocks(start, life, size, period)
+    _check_packing(start, life, size, period, res)
+
+
+def test_packing_reaches_the_bound_on_simple_cases():
+    # Disjoint lifetimes: one block's worth.
+    r = _core.pack_blocks([0, 10, 20], [10, 10, 10], [4096, 1024, 2048], 30)
+    assert r["arena"] == r["bound"] == 4096 and r["ratio"] == 1.0
+    # Groups that live and die together (cliques): the largest group.
+    r = _core.pack_blocks([0, 0, 0, 50, 50], [50, 50, 50, 50, 50], [512, 1024, 1536, 4096, 512], 100)
+    assert r["arena"] == r["bound"] == 4608
+    # Nested (stack) lifetimes, as forward/backward activations.
+    start = [0, 1, 2, 3]
+    life = [8, 6, 4, 2]
+    size = [1024, 2048, 512, 4096]
+    r = _core.pack_blocks(start, life, size, 10)
+    _check_packing(start, life, size, 10, r)
+    assert r["arena"] == r["bound"] == sum(size)
+    # A block wrapping around the end of the period conflicts with blocks at the start.
+    r = _core.pack_blocks([90, 5], [20, 3], [1024, 1024], 100)
+    assert r["arena"] == r["bound"] == 2048
+    with pytest.raises(_core.AllocatorError):
+        _core.pack_blocks([100], [1], [512], 100)
+
+
+def test_packing_ratio_on_random_intervals_is_reported_and_small():
+    rng = random.Random(5)
+    n, period = 300, 1000
+    start = [rng.randrange(period) for _ in range(n)]
+    life = [rng.randint(1, 200) for _ in range(n)]
+    size = [rng.randint(1, 2000) * 512 for _ in range(n)]
+    r = _core.pack_blocks(start, life, size, period)
+    _check_packing(start, life, size, period, r)
+    assert 1.0 <= r["ratio"] < 1.25
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection and serving
+
+def test_finds_the_iteration_after_a_prologue_and_serves_it_within_1_percent():
+    r = Runner()
+    run_prologue(r)
+    # What the pool strands among the parameters (the free tail of their last 48 MiB segment):
+    # the plan has no say over memory allocated before it exists.
+    stranded = r.stats()["reserved_bytes.all.current"] - r.live_bytes
+    it = make_iteration(1, scale=10)
+    for i in range(4):
+        r.run(it, i)
+    ps = r.plan()
+    assert ps["first_planned_request"] >= len(prologue())  # nothing planned in the prologue
+    assert ps["plans"] >= 1 and ps["plan_ratio"] >= 1.0
+    # Steady state: the last iterations come from the plan.
+    r.reset_peaks()
+    planned_before = ps["planned_requests"]
+    for i in range(4, 7):
+        r.run(it, i, check_every=37)
+    ps = r.plan()
+    per_it = sum(1 for op in it if op[0] == "a")
+    assert ps["planned_requests"] - planned_before >= 3 * per_it * 0.95
+    s = r.stats()
+    assert s["reserved_bytes.all.peak"] <= 1.01 * r.peak_live + stranded, (
+        s["reserved_bytes.all.peak"] / r.peak_live, stranded)
+    check_invariants(r.alloc, r.device, r.live)
+
+
+def test_alternating_shapes_keep_several_plans():
+    r = Runner()
+    run_prologue(r)
+    shapes = {"A": make_iteration(1), "B": make_iteration(2, layers=9, scale=1.5)}
+    seq = "AABBAABBBAAB"
+    for i, c in enumerate(seq):
+        r.run(shapes[c], i)
+    ps = r.plan()
+    assert ps["plans"] >= 2
+    assert ps["plan_switches"] >= 1
+    planned = ps["planned_requests"]
+    tail = "ABBABA"
+    for i, c in enumerate(tail, start=len(seq)):
+        r.run(shapes[c], i, check_every=41)
+    n_allocs = sum(1 for c in tail for op in shapes[c] if op[0] == "a")
+    assert r.plan()["planned_requests"] - planned >= 0.8 * n_allocs
+    check_invariants(r.alloc, r.device, r.live)
+
+
+def test_divergence_falls_back_then_replans():
+    r = Runner()
+    run_prologue(r)
+    it = make_iteration(1)
+    for i in range(4):
+        r.run(it, i)
+    d0 = r.plan()["divergences"]
+    # A new shape (e.g. another sequence length) for a few iterations, then back.
+    other = make_iteration(7, layers=12, scale=0.7)
+    for i in range(4, 8):
+        r.run(other, i, check_every=13)
+    ps = r.plan()
+    assert ps["divergences"] > d0
+    planned = ps["planned_requests"]
+    for i in range(8, 11):
+        r.run(it, i, check_every=29)
+    assert r.plan()["planned_requests"] > planned
+    check_invariants(r.alloc, r.device, r.live)
+    # Everything returns to the device.
+    for key in list(r.ptr):
+        r.alloc.free(r.ptr.pop(key))
+    r.live.clear()
+    r.alloc.empty_cache()
+    s = r.stats()
+    assert s["reserved_bytes.all.current"] == 0 and r.device.used == 0
+    assert s["allocated_bytes.all.current"] == 0 and s["active_bytes.all.current"] == 0
+
+
+def test_the_arena_shows_as_a_segment_and_counts_as_reserved():
+    r = Runner()
+    run_prologue(r)
+    it = make_iteration(3)
+    for i in range(5):
+        r.run(it, i)
+    # Mid-iteration: some planned blocks are live.
+    r.run(it[: len(it) // 2], 99)
+    check_invariants(r.alloc, r.device, r.live)
+    assert r.plan()["arena_bytes"] > 0
+    snap = r.alloc.snapshot()["segments"]
+    # The arena is a segment of its own; the plan may also use holes the pool lent it (those
+    # show inside the pool's segments). The plan never needs more than its plain packing.
+    arena = [s for s in snap if s["total_size"] == r.plan()["arena_bytes"]]
+    assert arena and arena[0]["total_size"] <= r.plan()["plan_arena_bytes"] + 2 * MiB
+    assert any(b["state"] == "active_allocated" for s in arena for b in s["blocks"])
+
+
+def test_memory_limit_counts_the_arena():
+    r = Runner()
+    run_prologue(r)
+    it = make_iteration(4)
+    for i in range(5):
+        r.run(it, i)
+    limit = r.stats()["reserved_bytes.all.peak"]
+    r.alloc.set_memory_limit(limit)
+    for i in range(5, 8):
+        r.run(it, i, check_every=50)
+    assert r.stats()["reserved_bytes.all.current"] <= limit
+    check_invariants(r.alloc, r.device, r.live, limit=limit)
+
+
+def test_cross_stream_reuse_of_planned_slots_waits_for_events():
+    """Iterations on two streams with events completing only when told: a slot freed on one
+    stream (or after record_stream) is not handed to another stream before the owner's work is
+    seen complete."""
+    r = Runner(auto=False)
+    freed = []  # (lo, hi, owner, uses, record count at free)
+    it = []
+    rng = random.Random(11)
+    for i in range(30):
+        s = rng.randint(1, 6) * MiB + 512
+        it.append(("a", f"x{i}", s, i % 2))
+        if i >= 2:
+            it.append(("f", f"x{i - 2}"))
+    it += [("f", "x28"), ("f", "x29")]
+    uses = {}
+    for n_it in range(8):
+        for op in it:
+            if op[0] == "a":
+                _, key, size, stream = op
+                p = r.alloc.malloc(size, stream)
+                keep = []
+                for (lo, hi, owner, u, t) in freed:
+                    if lo < p + size and p < hi:
+                        for v in u | ({owner} - {stream}):
+                            assert r.device.completed_through(v) > t, "unsafe cross-stream reuse"
+                    else:
+                        keep.append((lo, hi, owner, u, t))
+                freed = keep
+                r.ptr[(n_it, key)] = (p, size, stream)
+                if rng.random() < 0.2:
+                    other = 1 - stream
+                    r.alloc.record_stream(p, other)
+                    uses[p] = {other}
+            else:
+                p, size, stream = r.ptr.pop((n_it, op[1]))
+                t = r.device.record_count
+                r.alloc.free(p)
+                freed.append((p, p + size, stream, uses.pop(p, set()), t))
+            if rng.random() < 0.3:
+                r.device.complete_events(rng.choice([0, 1]))
+    assert r.plan()["planned_requests"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Property-based: repeated random iterations with injected divergences
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), iterations=st.integers(4, 8),
+       diverge=st.lists(st.integers(0, 7), max_size=3), limit_mib=st.sampled_from([0, 0, 900]))
+def test_random_loops_with_divergences_keep_every_invariant(seed, iterations, diverge, limit_mib):
+    r = Runner(config="min_period:8,match_window:16", capacity=2 << 30)
+    limit = limit_mib * MiB
+    if limit:
+        r.alloc.set_memory_limit(limit)
+    rng = random.Random(seed)
+    base = make_iteration(seed, layers=rng.randint(2, 6), scale=rng.choice([0.05, 0.3, 1.0]))
+    try:
+        for i in range(iterations):
+            ops = base
+            if i in diverge:
+                ops = make_iteration(seed + 1000 + i, layers=rng.randint(2, 6), scale=0.2)
+            r.run(ops, i, check_every=7)
+            check_invariants(r.alloc, r.device, r.live, limit=limit)
+    except _core.OutOfMemoryError:
+        pass  # a limit can refuse requests; state must still be consistent
+    check_invariants(r.alloc, r.device, r.live, limit=limit)
+    for key in list(r.ptr):
+        p = r.ptr.pop(key)
+        r.alloc.free(p)
+        del r.live[p]
+    r.alloc.empty_cache()
+    check_invariants(r.alloc, r.device, {}, limit=limit)
+    assert r.stats()["reserved_bytes.all.current"] == 0 and r.device.used == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Recorded traces
+
+def _recorded_traces():
+    bench = sorted(glob.glob(str(ROOT / "benchmarks" / "traces" / "*.csv.gz")))
+    small = sorted(glob.glob(str(ROOT / "tests" / "data" / "*.csv.gz")))
+    return bench or small
+
+
+def test_recorded_traces_never_above_torch():
+    from pymemplan.traces import read_trace, replay
+
+    paths = _recorded_traces()
+    assert paths, "no traces found: the test would pass on nothing"
+    for path in paths:
+        trace = read_trace(path)
+        res = {r.policy: r for r in replay(trace, [POLICY, "torch"])}
+        planned, torch = res[POLICY], res["torch"]
+        assert planned.ooms == 0
+        assert planned.peak_reserved_bytes <= torch.peak_reserved_bytes, Path(path).name
+
+
+def test_threads_share_one_allocator():
+    """The allocator releases the GIL in malloc/free: threads running their own loops hit its
+    one mutex concurrently; the state stays consistent."""
+    import threading
+
+    r = Runner(capacity=16 << 30)
+    errors = []
+
+    def worker(t):
+        try:
+            it = make_iteration(t, layers=4, scale=0.1, stream=t % 2)
+            for i in range(6):
+                ptrs = {}
+                for op in it:
+                    if op[0] == "a":
+                        ptrs[op[1]] = r.alloc.malloc(op[2], op[3])
+                    else:
+                        r.alloc.free(ptrs.pop(op[1]))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    r.alloc.empty_cache()
+    check_invariants(r.alloc, r.device, {})
+    assert r.stats()["reserved_bytes.all.current"] == 0 and r.device.used == 0
+
+
+def test_recorded_benchmark_traces_steady_state():
+    """After the first request a plan served (the iteration's plan: shorter plans are not armed),
+    peak reserved over peak live. Measured: gpt2 1.0107, gpt2_6l 1.0106, mobilenet 1.0119,
+    bert_base 1.0204, resnet50 1.0247; the 1% target is not met yet (see planned.hpp)."""
+    from pymemplan.traces import read_trace, replay
+
+    names = ["gpt2_6l_s512", "bert_base"]
+    paths = [ROOT / "benchmarks" / "traces" / f"{n}.csv.gz" for n in names]
+    if not all(p.exists() for p in paths):
+        pytest.skip("benchmark traces absent (python benchmarks/alloc_replay.py records them); "
+                    "test_recorded_traces_never_above_torch covers tests/data")
+    for path in paths:
+        res = {r.policy: r for r in replay(read_trace(path), [POLICY, "pymemplan"])}
+        planned = res[POLICY]
+        assert planned.steady_reserved_over_live is not None, path.name
+        assert planned.steady_reserved_over_live < 1.025, (path.name, planned.steady_reserved_over_live)
+        assert planned.peak_reserved_bytes <= res["pymemplan"].peak_reserved_bytes
