@@ -457,24 +457,32 @@ Block* CachingAllocator::new_segment(Pool& pool, std::size_t bytes, StreamId str
   if (limit_ != 0 && static_cast<std::size_t>(reserved_) + bytes > limit_) return nullptr;
   void* ptr = device_->allocate_segment(bytes);
   if (ptr == nullptr) return nullptr;
+  Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, pool.small, false);
+  reserved_ += static_cast<std::int64_t>(bytes);
+  reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  update_stat(&Stats::reserved_bytes, pool.small, static_cast<std::int64_t>(bytes));
+  if (bytes >= config_.max_split_size) stats_.oversize_segments.increase(1);
+  ++stats_.num_device_alloc;
+  return b;
+}
+
+Block* CachingAllocator::add_segment(std::uintptr_t addr, std::size_t bytes, StreamId stream,
+                                     bool small, bool vmm) {
+  // A new segment with one free block spanning it, listed nowhere yet.
   auto* seg = new Segment;
-  seg->addr = reinterpret_cast<std::uintptr_t>(ptr);
+  seg->addr = addr;
   seg->size = bytes;
   seg->stream = stream;
-  seg->small = pool.small;
+  seg->small = small;
+  seg->vmm = vmm;
   Block* b = new_block();
-  b->addr = seg->addr;
+  b->addr = addr;
   b->size = bytes;
   b->stream = stream;
   b->segment = seg;
   seg->head = b;
-  segments_.emplace(seg->addr, seg);
-  reserved_ += static_cast<std::int64_t>(bytes);
-  reserved_hwm_ = std::max(reserved_hwm_, reserved_);
-  update_stat(&Stats::segment, pool.small, 1);
-  update_stat(&Stats::reserved_bytes, pool.small, static_cast<std::int64_t>(bytes));
-  if (bytes >= config_.max_split_size) stats_.oversize_segments.increase(1);
-  ++stats_.num_device_alloc;
+  segments_.emplace(addr, seg);
+  update_stat(&Stats::segment, small, 1);
   return b;
 }
 
@@ -633,20 +641,8 @@ Block* CachingAllocator::new_virtual_segment(std::size_t rounded, StreamId strea
   const std::size_t page = device_->granularity();
   const std::size_t bytes = round_up(std::max(rounded, config_.vmm_segment), page);
   void* ptr = device_->reserve_address(bytes);
-  auto* seg = new Segment;
-  seg->addr = reinterpret_cast<std::uintptr_t>(ptr);
-  seg->size = bytes;
-  seg->stream = stream;
-  seg->vmm = true;
-  seg->pages.assign(bytes / page, 0);
-  Block* b = new_block();
-  b->addr = seg->addr;
-  b->size = bytes;
-  b->stream = stream;
-  b->segment = seg;
-  seg->head = b;
-  segments_.emplace(seg->addr, seg);
-  update_stat(&Stats::segment, false, 1);
+  Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, false, true);
+  b->segment->pages.assign(bytes / page, 0);
   return b;
 }
 

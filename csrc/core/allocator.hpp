@@ -106,6 +106,7 @@ class CachingAllocator : public Allocator {
   Block* best_fit(Pool& pool, std::size_t rounded, StreamId key);
   bool acceptable(const Block* block, std::size_t rounded) const;
   Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
+  Block* add_segment(std::uintptr_t addr, std::size_t bytes, StreamId stream, bool small, bool vmm);
   // Virtual memory (config_.vmm, large pool).
   Block* new_virtual_segment(std::size_t rounded, StreamId stream);
   bool back(Block* block, std::size_t rounded);
