@@ -3,8 +3,8 @@
     python benchmarks/gpu_check.py            # needs a CUDA GPU and pymemplan installed
 
 Trains resnet50 and GPT-2 small (random init) for 20 steps each with PyTorch's native
-allocator, native with expandable_segments:True, pymemplan and pymemplan-vmm, each in its
-own process. It reports the peak reserved and peak allocated bytes (from each allocator's own
+allocator, native with expandable_segments:True, pymemplan, pymemplan-vmm and
+pymemplan-planned, each in its own process. It reports the peak reserved and peak allocated bytes (from each allocator's own
 stats), the median step time, and the ratios to native. Writes
 benchmarks/results/gpu_check.json. Sized to finish in under 8 minutes on one H100/H200.
 """
@@ -26,6 +26,8 @@ MODES = {
     "native_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "pymemplan": {"PYMEMPLAN_ENABLE": "1"},
     "pymemplan_vmm": {"PYMEMPLAN_ENABLE": "1", "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-vmm"},
+    "pymemplan_planned": {"PYMEMPLAN_ENABLE": "1",
+                          "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
 }
 
 WORKER = textwrap.dedent("""

@@ -61,8 +61,10 @@ def free(p, stream=None):
 """
 
 
-def run(body: str, *, config: str = "oom_action:null", **env) -> subprocess.CompletedProcess:
-    code = PRELUDE + f"assert lib.pymemplan_configure(b'pymemplan', {config.encode()!r}) == 0, err()\n"
+def run(body: str, *, config: str = "oom_action:null", policy: str = "pymemplan",
+        **env) -> subprocess.CompletedProcess:
+    code = PRELUDE + (f"assert lib.pymemplan_configure({policy.encode()!r}, {config.encode()!r}) "
+                      "== 0, err()\n")
     code += textwrap.dedent(body)
     environ = {**os.environ, "PYMEMPLAN_LIBCUDA": str(FAKE), "FAKECUDA_CAPACITY": str(256 * MiB),
                **{k: str(v) for k, v in env.items()}}
@@ -305,3 +307,15 @@ def test_vmm_failing_page_creation_midway_leaves_nothing_mapped():
         ctypes.memset(q, 5, 32 * MiB)
     """)
     assert "cuMemCreate failed: CUDA_ERROR_INVALID_VALUE" in out
+
+
+def test_planned_policy_runs_in_the_plugin():
+    r = run("""
+        p = alloc(5 * MiB)
+        ctypes.memset(p, 1, 5 * MiB)
+        free(p)
+        assert stats()["allocated_bytes.all.current"] == 0
+        lib.pymemplan_empty_cache(0)
+        assert fake.fakecuda_bytes_in_use(0) == 0
+    """, policy="pymemplan-planned", config="min_period:32")
+    assert r.returncode == 0, r.stderr

@@ -52,5 +52,8 @@ class Allocator {
 // `device`. Throws AllocatorError naming a bad policy, key or value.
 std::unique_ptr<Allocator> make_allocator(std::shared_ptr<Device> device, const std::string& policy,
                                           const std::string& config = "");
+// Checks a policy and config as make_allocator would, without a device; returns the full
+// effective config string. Throws AllocatorError naming the bad policy, key or value.
+std::string validate_config(const std::string& policy, const std::string& config = "");
 
 }  // namespace pymemplan

@@ -12,4 +12,9 @@ std::unique_ptr<Allocator> make_allocator(std::shared_ptr<Device> device, const 
   return std::make_unique<CachingAllocator>(std::move(device), PolicyConfig::parse(policy, config));
 }
 
+std::string validate_config(const std::string& policy, const std::string& config) {
+  if (policy == "pymemplan-planned") return PlannedConfig::parse(config).to_string();
+  return PolicyConfig::parse(policy, config).to_string();
+}
+
 }  // namespace pymemplan

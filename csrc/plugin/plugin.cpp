@@ -72,7 +72,7 @@ PluginConfig parse_plugin_config(const std::string& policy, const std::string& c
     }
   }
   try {
-    PolicyConfig::parse(policy, rest);  // throws with the policy's valid keys listed
+    validate_config(policy, rest);  // throws with the policy's valid keys listed
   } catch (const AllocatorError& e) {
     throw AllocatorError(std::string(e.what()) + "; plugin key: oom_action (raise or null)");
   }

@@ -105,8 +105,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "parse_config",
       [](const std::string& policy, const std::string& config) {
-        if (policy == "pymemplan-planned") return PlannedConfig::parse(config).to_string();
-        return PolicyConfig::parse(policy, config).to_string();
+        return validate_config(policy, config);
       },
       py::arg("policy"), py::arg("config") = "",
       "Validate a policy and config string; returns the full effective config.");
