@@ -24,6 +24,11 @@ _ALLOCATOR_API = frozenset({
 # The planner's API, also lazy: `pymemplan.trace(model, inputs)` (pymemplan.planner).
 _PLANNER_API = frozenset({"trace", "MemoryTrace", "PlannerError", "UntraceableError"})
 
+# Checkpoint planning, lazy too: `pymemplan.plan(model, inputs, budget="6GiB")` and
+# `torch.compile(model, backend=pymemplan.compile_backend(plan=...))`
+# (pymemplan.planner.checkpoint).
+_CHECKPOINT_API = frozenset({"plan", "compile_backend"})
+
 
 def __getattr__(name):
     if name in _ALLOCATOR_API:
@@ -38,11 +43,17 @@ def __getattr__(name):
         value = getattr(planner, name)
         globals()[name] = value
         return value
+    if name in _CHECKPOINT_API:
+        from .planner import checkpoint
+
+        value = getattr(checkpoint, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'pymemplan' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | _ALLOCATOR_API | _PLANNER_API)
+    return sorted(set(globals()) | _ALLOCATOR_API | _PLANNER_API | _CHECKPOINT_API)
 
 
 # Enabling at import lets a program use pymemplan without changing its code, and runs

@@ -294,6 +294,73 @@ class MemoryTrace:
                                  meta={"format": "pymemplan-planner", "device": self.device,
                                        "time": "op index"})
 
+    # -- checkpoint planning (pymemplan.planner.checkpoint) ------------------------------
+    def checkpoint_problem(self, model=None, inputs=None, modules=None,
+                           policies=("full", "save-compute")):
+        """The checkpoint problem of this step (candidates, deltas, costs). With ``model``
+        and ``inputs`` the recompute costs count FLOPs; without, bytes moved only.
+        ``modules``: fnmatch patterns of the module paths that may be checkpointed;
+        ``policies``: "full" (recompute the module) and/or "save-compute" (selective:
+        keep matmul/conv/attention outputs)."""
+        from .checkpoint.cost import forward_facts
+        from .checkpoint.problem import build_problem
+
+        key = (id(model) if model is not None else None,
+               tuple(modules) if modules is not None else None, tuple(policies))
+        cache = self.__dict__.setdefault("_ckpt_problems", {})
+        if key not in cache:
+            if model is not None and inputs is None:
+                raise PlannerError("checkpoint_problem(model=...) also needs inputs=..., the "
+                                   "inputs the step was traced with, to count FLOPs")
+            flops = callable_modules = sequential = outputs = None
+            if model is not None:
+                import torch
+
+                inputs = (inputs,) if not isinstance(inputs, (tuple, list)) else tuple(inputs)
+                flops, outputs, names = forward_facts(model, inputs,
+                                                      train=self.graph.meta.get("train", True))
+                # Module outputs by op index are only meaningful if the ops line up with
+                # the trace's (they may not under a device profile or autocast).
+                traced = [op.name for op in self.graph.ops[:len(names)]]
+                if traced != names:
+                    outputs = None
+                callable_modules = {name for name, m in model.named_modules()
+                                    if type(m).forward is not torch.nn.Module.forward}
+                sequential = {name for name, m in model.named_modules()
+                              if type(m).forward is torch.nn.Sequential.forward}
+            cache[key] = build_problem(self.graph, flops=flops, modules=modules,
+                                       callable_modules=callable_modules,
+                                       sequential_modules=sequential, outputs=outputs,
+                                       policies=tuple(policies))
+        return cache[key]
+
+    def plan(self, budget, *, model=None, inputs=None, modules=None,
+             policies=("full", "save-compute"), solver: str = "auto", time_limit: float = 10.0):
+        """Which modules to checkpoint so the step's peak stays within ``budget`` (bytes or
+        "6GiB"), at the least recompute cost. Returns a
+        :class:`pymemplan.planner.checkpoint.Plan`; raises ``BudgetTooSmallError`` with
+        the least achievable peak when no plan fits. Pass the traced ``model`` and
+        ``inputs`` for FLOP-based costs; ``modules`` (fnmatch patterns, e.g.
+        ``["transformer.h.*"]``) restricts which modules may be checkpointed, and
+        ``policies`` how (see :meth:`checkpoint_problem`).
+        ``solver``: "auto" (chain DP if the candidates form a chain, else MILP, else
+        greedy), "chain-dp", "milp" or "greedy"; ``time_limit`` bounds the MILP."""
+        from .checkpoint.plan import make_plan
+
+        return make_plan(self.checkpoint_problem(model, inputs, modules, policies), budget,
+                         solver=solver,
+                         time_limit=time_limit)
+
+    def pareto(self, points: int = 12, *, model=None, inputs=None, modules=None,
+               policies=("full", "save-compute"), path=None,
+               time_limit: float = 5.0) -> list[dict]:
+        """Peak versus recompute cost across budgets (from the least achievable peak to the
+        unplanned one); a PNG at ``path`` if given."""
+        from .checkpoint.plan import pareto
+
+        return pareto(self.checkpoint_problem(model, inputs, modules, policies), points, path=path,
+                      time_limit=time_limit)
+
     # -- reports -------------------------------------------------------------------------
     def summary(self, top: int = 10, width: int | None = None) -> str:
         from .report import summary_text

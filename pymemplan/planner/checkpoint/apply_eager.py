@@ -1,0 +1,193 @@
+"""Eager apply: wrap the planned modules' forwards in ``torch.utils.checkpoint``.
+
+The model object is changed in place and returned, so parameters, ``state_dict`` and the
+call signature stay exactly as they were: each planned module gets an instance attribute
+``forward`` that calls the class's forward through non-reentrant checkpointing
+(``use_reentrant=False``, RNG state preserved so dropout masks are the same on
+recompute). Segments of an ``nn.Sequential`` ("path[first:last]") are applied by giving
+the Sequential a forward that runs those children under one checkpoint. A unit planned
+"save-compute" gets a selective-checkpoint policy
+(``create_selective_checkpoint_contexts``) that keeps the outputs of matmuls,
+convolutions and attention and recomputes the rest. :func:`remove` deletes those
+attributes.
+
+Recomputing a forward would update BatchNorm's running statistics a second time; the
+wrapper puts the running buffers of the unit's BatchNorm layers back after the
+recompute, so they move once per step, as without checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+_MARK = "_pymemplan_checkpointed"
+
+
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _bn_modules(modules):
+    import torch
+
+    return [m for top in modules for m in top.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+def _save_compute_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing: keep what matmuls, convolutions and attention made."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from .cost import is_compute_bound
+
+    name = f"aten.{op.overloadpacket.__name__}" if hasattr(op, "overloadpacket") else str(op)
+    return (CheckpointPolicy.MUST_SAVE if is_compute_bound(name)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _checkpointed_forward(module, policy, *args, **kwargs):
+    return _run_checkpointed(type(module).forward.__get__(module), [module], policy,
+                             *args, **kwargs)
+
+
+def _segmented_forward(seq, segments, input):
+    """nn.Sequential.forward with the planned runs of children under checkpoint;
+    ``segments``: index of first child -> (index of last child, policy)."""
+    kids = list(seq._modules.values())
+
+    def run_range(i, j):
+        def fn(x):
+            for m in kids[i:j + 1]:
+                x = m(x)
+            return x
+        return fn
+
+    i = 0
+    while i < len(kids):
+        if i in segments:
+            j, policy = segments[i]
+            input = _run_checkpointed(run_range(i, j), kids[i:j + 1], policy, input)
+            i = j + 1
+        else:
+            input = kids[i](input)
+            i += 1
+    return input
+
+
+def _run_checkpointed(forward, owners, policy, *args, **kwargs):
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    buffers = [getattr(m, b) for m in _bn_modules(owners) if owners[0].training
+               for b in _BN_BUFFERS if getattr(m, b, None) is not None]
+    calls = [0]
+
+    def run(*a, **k):
+        calls[0] += 1
+        if calls[0] == 1 or not buffers:
+            return forward(*a, **k)
+        # The recompute: put BatchNorm's running statistics back as the first run left
+        # them. The copies are made outside any dispatch mode: a selective-checkpoint
+        # policy would otherwise take them for ops of the recomputed region.
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.no_grad():
+            kept = [b.clone() for b in buffers]
+        try:
+            return forward(*a, **k)
+        finally:
+            with _disable_current_modes(), torch.no_grad():
+                for b, v in zip(buffers, kept):
+                    b.copy_(v)
+
+    if not torch.is_grad_enabled():  # inference: nothing would be saved anyway
+        return forward(*args, **kwargs)
+    extra = {}
+    if policy == "save-compute":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                _save_compute_policy)
+    return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+
+
+_SEGMENT = re.compile(r"^(.*)\[([^\[\]:]+):([^\[\]:]+)\]$")
+
+
+def apply(model, modules):
+    """Checkpoint each unit in ``modules`` (a list, or a dict unit -> policy, "full" or
+    "save-compute"); a unit is a module path, or ``"path[first:last]"``: the children
+    ``first`` to ``last`` (names, inclusive) of the ``nn.Sequential`` at ``path``.
+    Returns ``model`` itself."""
+    import torch
+
+    from ..errors import PlannerError
+
+    if not isinstance(modules, dict):
+        modules = {path: "full" for path in modules}
+    segments: dict[str, dict] = {}
+    for path, policy in modules.items():
+        if policy not in ("full", "save-compute"):
+            raise PlannerError(f"unknown checkpoint policy {policy!r} for '{path}': use "
+                               f"'full' or 'save-compute'")
+        seg = _SEGMENT.match(path)
+        if seg is not None:
+            segments.setdefault(seg.group(1), {})[(seg.group(2), seg.group(3))] = policy
+            continue
+        m = _get(model, path)
+        if getattr(m, _MARK, False):
+            continue
+        if type(m).forward is torch.nn.Module.forward:
+            raise PlannerError(f"module '{path}' ({type(m).__name__}) has no forward to "
+                               f"checkpoint; plan with model=... so containers are left out")
+        object.__setattr__(m, "forward", functools.partial(_checkpointed_forward, m, policy))
+        object.__setattr__(m, _MARK, True)
+    for path, runs in segments.items():
+        seq = _get(model, path)
+        if type(seq).forward is not torch.nn.Sequential.forward or getattr(seq, _MARK, False):
+            raise PlannerError(f"the plan checkpoints runs of children of '{path}', which is "
+                               f"not a plain nn.Sequential here (or is checkpointed whole); "
+                               f"apply a plan to the model it was made for")
+        names = list(seq._modules)
+        by_start = {}
+        for (first, last), policy in runs.items():
+            if first not in names or last not in names:
+                raise PlannerError(f"'{path}' has no children '{first}'..'{last}'; apply a "
+                                   f"plan to the model it was made for")
+            by_start[names.index(first)] = (names.index(last), policy)
+        object.__setattr__(seq, "forward", functools.partial(_segmented_forward, seq, by_start))
+        object.__setattr__(seq, _MARK, True)
+    return model
+
+
+def _get(model, path):
+    from ..errors import PlannerError
+
+    try:
+        return model.get_submodule(path)
+    except AttributeError as e:
+        raise PlannerError(f"the plan checkpoints module '{path}', which this model does "
+                           f"not have ({e}); apply a plan to the model it was made for") from None
+
+
+def remove(model):
+    """Undo :func:`apply` on every module of ``model``; returns ``model``."""
+    for m in model.modules():
+        if m.__dict__.pop(_MARK, False):
+            m.__dict__.pop("forward", None)
+    return model
+
+
+def checkpointed_modules(model) -> list[str]:
+    """Modules whose forward was replaced (whole, or a Sequential running segments)."""
+    return [name for name, m in model.named_modules() if m.__dict__.get(_MARK, False)]
+
+
+def unit_modules(model, unit: str) -> list:
+    """The modules a plan unit covers: the module itself, or the Sequential's run."""
+    seg = _SEGMENT.match(unit)
+    if seg is None:
+        return [_get(model, unit)]
+    seq = _get(model, seg.group(1))
+    names = list(seq._modules)
+    i, j = names.index(seg.group(2)), names.index(seg.group(3))
+    return [seq._modules[n] for n in names[i:j + 1]]

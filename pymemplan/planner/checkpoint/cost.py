@@ -1,0 +1,142 @@
+"""The cost model: what recomputing a module's forward costs, in estimated seconds.
+
+Roofline per module, on a nominal device (``DeviceSpeed``): compute-bound work is
+FLOPs / peak FLOP rate, with FLOPs from shapes (PyTorch's own formulas in
+``torch.utils.flop_counter``: matmul, addmm, bmm, convolution, SDPA/flash/efficient
+attention); memory-bound work is bytes moved / bandwidth, with bytes moved estimated as
+twice the bytes each forward op writes (one read of an input of the same size, one write).
+Only ratios between costs matter to the solvers, so the device's absolute speed cancels
+out; its balance (FLOPs per byte) decides how a matmul weighs against an elementwise op.
+
+Without the model (``MemoryTrace.plan`` on a trace alone) FLOPs are unknown and only the
+bytes term is used: say so when reporting, and prefer ``pymemplan.plan(model, ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graph import FORWARD, StepGraph
+
+
+# Ops whose cost is FLOPs rather than bytes: selective checkpointing keeps their outputs.
+COMPUTE_BOUND = frozenset({
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
+    "aten.mkldnn_convolution", "aten.cudnn_convolution", "aten._convolution",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._flash_attention_forward", "aten._efficient_attention_forward",
+})
+
+
+def is_compute_bound(op_name: str) -> bool:
+    """``op_name`` as recorded in the trace ("aten.mm.default") or an overload packet."""
+    parts = str(op_name).split(".")
+    return ".".join(parts[:2]) in COMPUTE_BOUND
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    flops_per_s: float = 400e12      # dense bf16 matmul throughput actually reached (H100-class)
+    bytes_per_s: float = 2.0e12      # HBM bandwidth actually reached
+
+    def seconds(self, flops: float, bytes_moved: float) -> float:
+        return flops / self.flops_per_s + bytes_moved / self.bytes_per_s
+
+
+def forward_bytes_per_op(g: StepGraph) -> np.ndarray:
+    """Estimated bytes moved by each op: twice the bytes it wrote (forward ops only)."""
+    out = np.zeros(max(g.num_ops, 1), dtype=np.float64)
+    for t in g.tensors:
+        if t.alloc_op >= 0 and t.phase == FORWARD:
+            out[t.alloc_op] += 2.0 * t.nbytes
+    return out
+
+
+def module_flops(model, inputs) -> dict[str, float]:
+    """Forward FLOPs per module path, inclusive of submodules ("" = the whole model)."""
+    return forward_facts(model, inputs)[0]
+
+
+def forward_facts(model, inputs, train: bool = True):
+    """Run the model's forward once on fake tensors (nothing computed or allocated) and
+    return ``(flops, outputs, op_names)``:
+
+    - ``flops``: forward FLOPs per module path, inclusive of submodules ("" = the model);
+    - ``outputs``: module path -> ``(op index, bytes)`` of the storages its forward
+      returned, by the index of the op that allocated them, counting every ATen op as
+      capture does. In-place ops (``out += x; relu_(out)``) keep the storage's first
+      allocation, which is what the trace records;
+    - ``op_names``: the ops in order, so the caller can check that they line up with the
+      trace before trusting ``outputs``.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def fake_like(t, grad=False):
+        f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+        return f.requires_grad_(grad) if grad else f
+
+    names: list[str] = []
+    first: dict[int, int] = {}   # storage address -> index of the op that allocated it
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    first.setdefault(o.untyped_storage()._cdata, len(names))
+            names.append(str(func))
+            return out
+
+    outputs: dict[str, list] = {}
+    hooks = []
+
+    def leave(path):
+        def hook(_m, _args, out):
+            outputs[path] = [(first.get(o.untyped_storage()._cdata, -1),
+                              o.untyped_storage().nbytes())
+                             for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        return hook
+
+    modes = {m: m.training for m in model.modules()}
+    try:
+        for path, m in model.named_modules():
+            hooks.append(m.register_forward_hook(leave(path)))
+        if train:
+            model.train()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            # One name per tensor: functional_call re-ties shared weights itself.
+            state = {n: fake_like(p, p.requires_grad) for n, p in model.named_parameters()}
+            state.update({n: fake_like(b) for n, b in model.named_buffers()})
+            args = pytree.tree_map_only(torch.Tensor, lambda t: fake_like(t, t.requires_grad),
+                                        tuple(inputs))
+            # Inputs exist before the step: their storages are not allocations.
+            for a in pytree.tree_leaves(args):
+                if isinstance(a, torch.Tensor):
+                    first[a.untyped_storage()._cdata] = -1
+            for v in state.values():
+                first[v.untyped_storage()._cdata] = -1
+            counter = FlopCounterMode(display=False)
+            with counter, Ops():
+                torch.func.functional_call(model, state, args)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    root = type(model).__name__
+    flops: dict[str, float] = {}
+    for name, per_op in counter.get_flop_counts().items():
+        if name == "Global":
+            continue
+        # FlopCounterMode names modules "<RootClass>.child.grandchild".
+        path = "" if name == root else name[len(root) + 1:] if name.startswith(root + ".") else None
+        if path is not None:
+            flops[path] = float(sum(per_op.values()))
+    return flops, outputs, names

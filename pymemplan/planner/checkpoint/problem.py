@@ -1,0 +1,382 @@
+"""The checkpoint problem: which modules to recompute in backward instead of saving.
+
+One problem type, read by every solver (``chain_dp``, ``milp``, ``greedy``). Built from a
+traced step (:class:`~pymemplan.planner.graph.StepGraph`):
+
+- **Candidates** are modules, and runs of consecutive children of an ``nn.Sequential``
+  (segments, as ``checkpoint_sequential`` makes). Checkpointing module M (``torch.utils.checkpoint``,
+  non-reentrant) changes the step's memory in three ways, each read off the trace:
+
+  1. *Dropped activations*: storages M's forward ops made that autograd keeps for M's own
+     backward (category activation, last used inside M's backward ops) are released when
+     M's forward ends, and re-made when M's backward starts. M's output (what its last
+     allocating op made) is kept: the next module holds it.
+  2. *Held inputs*: checkpoint keeps M's arguments until M's backward. Storages made
+     before M, last used inside M's forward and released there, now live until M's
+     backward ends.
+     Under the selective policy, the compute-bound outputs it caches live until then too.
+  3. *Recompute transient*: re-running M's forward at the start of its backward needs, on
+     top of what is live then, the temporaries M's forward had at its worst moment.
+
+  So the memory at op ``i`` with candidates ``x`` (0/1) chosen is exactly
+  ``base[i] + sum_s x_s * delta[s, i]``: the effects of distinct, non-nested modules
+  touch distinct storages and add up. :meth:`CheckpointProblem.simulate` re-simulates the
+  timeline with the plan applied (rewriting the storages' live intervals) and is the
+  figure reported; tests check that it equals the linear form.
+- **Cost** of a candidate: re-running its forward (``cost.py``).
+- **Fixed memory**: everything the plan cannot touch (parameters, gradients, optimizer
+  state, inputs, backward temporaries) stays in ``base``.
+
+Each module comes in up to two variants: ``full`` (recompute its whole forward) and
+``save-compute`` (selective checkpointing: the outputs of its matmuls, convolutions and
+attention kernels stay saved, only the cheap memory-bound ops are recomputed). Nested
+candidates (a block and its MLP) and two variants of one module exclude each other.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..capture import OUTSIDE
+from ..errors import PlannerError
+from ..graph import ACTIVATION, BACKWARD, FORWARD, StepGraph
+from ..timeline import build_timeline
+from .cost import DeviceSpeed, forward_bytes_per_op, is_compute_bound
+
+FULL = "full"                  # recompute the module's whole forward
+SAVE_COMPUTE = "save-compute"  # keep matmul/conv/attention outputs, recompute the rest
+
+
+@dataclass
+class Candidate:
+    index: int
+    module: str
+    f0: int                # first and last forward op of the module
+    f1: int
+    b0: int                # first and last backward op attributed to it
+    b1: int
+    dropped: list          # tensor ids released after its forward, re-made in backward
+    held: list             # tensor ids checkpoint keeps alive as its inputs
+    transient: int         # recompute's extra bytes at b0
+    saved_bytes: int       # bytes of the dropped activations
+    cost: float            # estimated seconds to re-run its forward
+    flops: float | None = None
+    policy: str = "full"   # FULL, or SAVE_COMPUTE: selective checkpointing
+
+
+@dataclass
+class CheckpointProblem:
+    graph: StepGraph
+    base: np.ndarray                 # live bytes at each op, nothing checkpointed
+    candidates: list
+    delta: np.ndarray                # [candidate, op]: change in live bytes if chosen
+    forward_cost: float              # estimated seconds of the whole forward pass
+    cost_model: str                  # "flops+bytes" or "bytes"
+    skipped: dict = field(default_factory=dict)   # module -> why it is no candidate
+
+    @property
+    def n(self) -> int:
+        return len(self.candidates)
+
+    def conflicts(self) -> list[tuple[int, int]]:
+        """Pairs that cannot both be chosen: units whose forward ops overlap (a module and
+        its submodules, overlapping Sequential segments, two policies of one unit)."""
+        out = []
+        for a in self.candidates:
+            for b in self.candidates:
+                if b.index > a.index and a.f0 <= b.f1 and b.f0 <= a.f1:
+                    out.append((a.index, b.index))
+        return out
+
+    def cliques(self) -> list[list[int]]:
+        """The same exclusions as cliques: forward op ranges are intervals, so candidates
+        that overlap pairwise all cover one point; one row per distinct start point."""
+        out = []
+        for f in sorted({c.f0 for c in self.candidates}):
+            members = [c.index for c in self.candidates if c.f0 <= f <= c.f1]
+            if len(members) > 1:
+                out.append(members)
+        return out
+
+    def memory(self, x) -> np.ndarray:
+        """Live bytes at each op with the candidates in ``x`` checkpointed (linear form)."""
+        x = np.asarray(x, dtype=np.int64)
+        return self.base + (x @ self.delta if self.n else 0)
+
+    def peak(self, x) -> int:
+        return int(self.memory(x).max())
+
+    def cost(self, x) -> float:
+        return float(sum(c.cost for c, xi in zip(self.candidates, x) if xi))
+
+    def simulated_graph(self, x) -> StepGraph:
+        """The step's graph with the plan applied: dropped activations split into a
+        forward life and a recomputed one, held inputs kept to the module's backward, the
+        recompute transient as scratch of the module's first backward op."""
+        g = self.graph
+        tensors = list(g.tensors)
+        ops = list(g.ops)
+        next_id = len(tensors)
+        for c, xi in zip(self.candidates, x):
+            if not xi:
+                continue
+            for tid in c.dropped:
+                t = tensors[tid]
+                fwd = copy.copy(t)
+                fwd.freed_before = c.f1 + 1
+                tensors[tid] = fwd
+                if t.freed_before is None or t.freed_before > c.b0:
+                    again = copy.copy(t)
+                    again.id, again.alloc_op, again.phase = next_id, c.b0, BACKWARD
+                    next_id += 1
+                    tensors.append(again)
+            for tid in c.held:
+                t = copy.copy(tensors[tid])
+                t.freed_before = max(t.freed_before, c.b1 + 1)
+                tensors[tid] = t
+            if c.transient:
+                op = copy.copy(ops[c.b0])
+                op.scratch += c.transient
+                ops[c.b0] = op
+        return StepGraph(ops=ops, tensors=tensors, device=g.device,
+                         phase_starts=g.phase_starts, meta=dict(g.meta, checkpointed=True))
+
+    def simulate(self, x):
+        """Timeline of the step with the plan applied, re-simulated from the storages."""
+        return build_timeline(self.simulated_graph(x))
+
+
+def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held):
+    """Change in live bytes at every op when the module [f0..f1]/[b0..b1] is checkpointed
+    dropping ``dropped``, and the recompute transient (see the module docstring)."""
+    d = np.zeros(n + 1, dtype=np.int64)
+    dropped_ids = {t.id for t in dropped}
+    for t in dropped:
+        stop = b0 if t.freed_before is None else min(b0, t.freed_before)
+        if stop > f1 + 1:
+            d[f1 + 1] -= t.size
+            d[stop] += t.size
+    for t in held:
+        d[t.freed_before] += t.size
+        d[min(b1 + 1, n)] -= t.size
+    d = np.cumsum(d[:-1])
+    # Recompute transient: the module's forward again, less what is live anyway at b0
+    # (the dropped tensors are counted there already, as they are re-made).
+    live = np.zeros(f1 - f0 + 2, dtype=np.int64)
+    for i in range(f0, f1 + 1):
+        for t in by_alloc.get(i, ()):
+            if t.id in dropped_ids or t.phase != FORWARD:
+                continue
+            stop = f1 + 1 if t.freed_before is None else min(t.freed_before, f1 + 1)
+            live[i - f0] += t.size
+            live[max(stop, i + 1) - f0] -= t.size
+    live = np.cumsum(live)[:-1] + np.array([g.ops[i].scratch for i in range(f0, f1 + 1)])
+    transient = int(live.max()) if len(live) else 0
+    d[b0] += transient
+    return d, transient
+
+
+def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed | None = None,
+                  min_fraction: float = 1e-3, callable_modules: set | None = None,
+                  modules=None, policies=(FULL, SAVE_COMPUTE), sequential_modules=None,
+                  max_segments: int = 600, outputs: dict | None = None) -> CheckpointProblem:
+    """Candidates, deltas and costs from a traced training step.
+
+    ``flops``: forward FLOPs per module path (``cost.module_flops``); without them the
+    cost model counts bytes moved only. Modules that would save less than
+    ``min_fraction`` of all activation bytes are left out (they cannot matter and would
+    only slow the MILP down).
+
+    ``callable_modules``: the paths of modules that have a forward of their own (from the
+    model); without it, a module with no ops of its own whose children are numbered
+    (a ``ModuleList``, or a ``Sequential``: the trace cannot tell them apart) is left out,
+    as a ModuleList cannot be called. ``modules``: ``fnmatch`` patterns restricting the
+    candidates; each matches a whole path, and ``*`` crosses dots, so ``"h.*"`` admits
+    ``h.0`` and ``h.0.mlp`` while ``"h.[0-9]"``/``"h.?"`` admit the blocks only.
+    ``policies``: the ways a module may be checkpointed (``FULL``, ``SAVE_COMPUTE``).
+    ``sequential_modules``: paths of plain ``nn.Sequential`` modules ("" for the model
+    itself); runs of their consecutive children become candidates too, named
+    ``"path[first:last]"`` (children names, inclusive), at most about ``max_segments`` per
+    Sequential. ``outputs``: module path -> ``(alloc op, bytes)`` of the storages its
+    forward returned (``cost.forward_facts``, checked to line up with the trace); those
+    are kept when it is checkpointed. Without them a unit's output is taken to be what
+    its last allocating op made, which in-place tails (``out += x; relu_(out)``) defeat."""
+    import fnmatch
+    speed = speed or DeviceSpeed()
+    if BACKWARD not in g.phase_starts:
+        raise PlannerError("the traced step has no backward pass, so there is nothing to "
+                           "checkpoint; trace a training step (the loss must need grad)")
+    n = max(g.num_ops, 1)
+    base = build_timeline(g).total.astype(np.int64)
+    nbytes = forward_bytes_per_op(g)
+
+    # Where each module runs: its forward ops and the backward ops attributed to it.
+    fwd: dict[str, list] = {}
+    bwd: dict[str, list] = {}
+    for op in g.ops:
+        if op.module in ("", OUTSIDE) or op.phase not in (FORWARD, BACKWARD):
+            continue
+        parts = op.module.split(".")
+        target = fwd if op.phase == FORWARD else bwd
+        for k in range(1, len(parts) + 1):
+            target.setdefault(".".join(parts[:k]), []).append(op.index)
+
+    by_alloc: dict[int, list] = {}
+    for t in g.tensors:
+        if t.alloc_op >= 0 and t.size:
+            by_alloc.setdefault(t.alloc_op, []).append(t)
+    # Storages released during the forward pass, by the op before which they went.
+    freed_fwd: dict[int, list] = {}
+    for t in g.tensors:
+        if t.alloc_op >= 0 and t.size and t.freed_before is not None and t.phase == FORWARD:
+            freed_fwd.setdefault(t.freed_before, []).append(t)
+    total_act = sum(t.size for t in g.tensors if t.category == ACTIVATION) or 1
+
+    flops_total = (flops or {}).get("")
+    fwd_ops = [op.index for op in g.ops if op.phase == FORWARD]
+    forward_cost = speed.seconds(flops_total or 0.0, float(nbytes[fwd_ops].sum()) if fwd_ops else 0.0)
+
+    cands, deltas, skipped = [], [], {}
+    own_ops = {op.module for op in g.ops if op.phase == FORWARD}
+    children: dict[str, set] = {}
+    for path in fwd:
+        parent, _, leaf = path.rpartition(".")
+        children.setdefault(parent, set()).add(leaf)
+    # The units that can be checkpointed: modules, and runs of consecutive children of an
+    # nn.Sequential (checkpoint_sequential-style segments; only known with the model).
+    units = []  # (name, f0, f1, b0, b1, flops or None, module whose output it returns)
+    for path, idx in fwd.items():
+        f0, f1 = idx[0], idx[-1]
+        if modules is not None and not any(fnmatch.fnmatchcase(path, pat) for pat in modules):
+            continue
+        if callable_modules is not None:
+            if path not in callable_modules:
+                skipped[path] = "it has no forward of its own (a container such as ModuleList)"
+                continue
+        elif path not in own_ops and all(c.isdigit() for c in children.get(path, {"x"})):
+            skipped[path] = "it may be a ModuleList, which cannot be called (plan with the model to tell)"
+            continue
+        if f1 - f0 + 1 != len(idx):
+            # Called more than once, or interleaved with other code: one checkpoint per
+            # call would be needed, which the per-op model here does not describe.
+            skipped[path] = "its forward ops are not contiguous (called more than once?)"
+            continue
+        b = bwd.get(path)
+        if not b:
+            skipped[path] = "no backward ops (nothing in it needs a gradient)"
+            continue
+        units.append((path, f0, f1, b[0], b[-1], None if flops is None else flops.get(path, 0.0),
+                      path))
+    for parent in sequential_modules or ():
+        kids = sorted((c for c in fwd if c.rpartition(".")[0] == parent and c != parent),
+                      key=lambda c: fwd[c][0]) if parent else \
+            sorted((c for c in fwd if "." not in c), key=lambda c: fwd[c][0])
+        kids = [c for c in kids if bwd.get(c)]
+        k = len(kids)
+        # Every run of 2..max_len children; max_len bounds the candidates to about
+        # max_segments per Sequential (all runs when the Sequential is short).
+        max_len = max(2, min(k, max_segments // max(k, 1)))
+        for i in range(k):
+            for j in range(i + 1, min(k, i + max_len)):
+                run = kids[i:j + 1]
+                f0, f1 = fwd[run[0]][0], fwd[run[-1]][-1]
+                if f1 - f0 + 1 != sum(len(fwd[c]) for c in run):
+                    continue  # the parent's own code runs in between: not a plain Sequential
+                name = f"{parent}[{kids[i].rpartition('.')[2]}:{kids[j].rpartition('.')[2]}]"
+                if modules is not None and not any(fnmatch.fnmatchcase(name, pat)
+                                                   for pat in modules):
+                    continue
+                fl = None if flops is None else sum(flops.get(c, 0.0) for c in run)
+                units.append((name, f0, f1, min(bwd[c][0] for c in run),
+                              max(bwd[c][-1] for c in run), fl, run[-1]))
+
+    for path, f0, f1, b0, b1, unit_flops, returner in units:
+        if outputs is not None and returner in outputs:
+            kept_out = set(outputs[returner])
+        else:
+            last_alloc = max((i for i in range(f0, f1 + 1) if i in by_alloc), default=f1)
+            kept_out = {(t.alloc_op, t.nbytes) for t in by_alloc.get(last_alloc, ())}
+        dropped, held = [], []
+        for i in range(f0, f1 + 1):
+            for t in by_alloc.get(i, ()):
+                if (t.category == ACTIVATION and (i, t.nbytes) not in kept_out
+                        and b0 <= t.last_use <= b1
+                        and (t.freed_before is None or t.freed_before > f1 + 1)):
+                    dropped.append(t)
+        for i in range(f0 + 1, f1 + 2):
+            for t in freed_fwd.get(i, ()):
+                if t.alloc_op < f0 and f0 <= t.last_use <= f1:
+                    held.append(t)
+        # Two ways to checkpoint the unit: recompute all of it, or (selective
+        # checkpointing) keep the outputs of its compute-bound ops and recompute the rest.
+        heavy = [t for t in dropped if is_compute_bound(t.op)]
+        variants = [(FULL, dropped)] if FULL in policies else []
+        if SAVE_COMPUTE in policies and heavy and len(heavy) < len(dropped):
+            variants.append((SAVE_COMPUTE, [t for t in dropped if not is_compute_bound(t.op)]))
+        for policy, drop in variants:
+            saved = sum(t.size for t in drop)
+            if saved < min_fraction * total_act:
+                skipped.setdefault(path, f"{policy}: saves (almost) nothing")
+                continue
+            keep = held
+            if policy == SAVE_COMPUTE:
+                # The selective policy caches *every* compute-bound output of the unit
+                # until the recompute reads it back, even those autograd would have let
+                # go earlier (the unit's output, once the next layer's backward is done).
+                heavy_ids = {t.id for t in heavy}
+                keep = held + [t for i in range(f0, f1 + 1) for t in by_alloc.get(i, ())
+                               if is_compute_bound(t.op) and t.id not in heavy_ids
+                               and t.phase == FORWARD and t.freed_before is not None
+                               and t.freed_before < b1 + 1]
+            d, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep)
+            if policy == FULL:
+                fl = unit_flops
+                moved = float(nbytes[f0:f1 + 1].sum())
+            else:  # FLOPs are counted for compute-bound ops only, and those are kept
+                fl = 0.0 if flops is not None else None
+                moved = float(sum(nbytes[i] for i in range(f0, f1 + 1)
+                                  if not is_compute_bound(g.ops[i].name)))
+            cands.append(Candidate(len(cands), path, f0, f1, b0, b1, [t.id for t in drop],
+                                   [t.id for t in keep], transient, saved,
+                                   speed.seconds(fl or 0.0, moved), fl, policy))
+            deltas.append(d)
+    delta = np.stack(deltas) if deltas else np.zeros((0, n), dtype=np.int64)
+    return CheckpointProblem(g, base, cands, delta, forward_cost,
+                             "flops+bytes" if flops else "bytes", skipped)
+
+
+@dataclass
+class Solution:
+    x: np.ndarray            # 0/1 per candidate
+    solver: str              # "chain-dp", "milp", "greedy"
+    optimal: bool            # proven optimal for the problem as modelled
+    gap: float | None        # relative gap to the best bound (0 when optimal; None: unknown)
+    seconds: float
+    note: str = ""
+
+
+def binding_rows(p: CheckpointProblem, budget: int):
+    """The ops whose memory could exceed ``budget`` for some choice, deduplicated.
+
+    Returns ``(D, limit)``: ``D[r]`` is a column of ``delta`` (one row per distinct
+    pattern), and the constraint is ``D[r] @ x <= limit[r]``. Ops that stay under the
+    budget whatever is chosen carry no constraint. ``limit < 0`` with an all-zero row
+    means the budget is below memory no candidate touches."""
+    upper = p.base + np.clip(p.delta, 0, None).sum(axis=0) if p.n else p.base
+    rows = np.nonzero(upper > budget)[0]
+    if len(rows) == 0:
+        return np.zeros((0, p.n), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    cols = p.delta[:, rows].T                       # [rows, n]
+    limit = budget - p.base[rows]
+    # Same pattern at many ops: only the tightest limit matters.
+    uniq, inv = np.unique(cols, axis=0, return_inverse=True)
+    tight = np.full(len(uniq), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(tight, inv.ravel(), limit)
+    return uniq, tight
+
+
+def feasible(p: CheckpointProblem, x, budget: int) -> bool:
+    return p.peak(x) <= budget

@@ -1,0 +1,228 @@
+"""Checkpoint planning: the memory model against re-simulation and real steps, the solvers
+against each other and against brute force, the errors."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import pymemplan  # noqa: E402
+from pymemplan.planner.checkpoint import BudgetTooSmallError, make_plan  # noqa: E402
+from pymemplan.planner.checkpoint.chain_dp import solve_chain  # noqa: E402
+from pymemplan.planner.checkpoint.greedy import solve_greedy  # noqa: E402
+from pymemplan.planner.checkpoint.milp import least_peak, solve_milp  # noqa: E402
+from pymemplan.planner.errors import PlannerError  # noqa: E402
+from pymemplan.planner.measure import measure_step  # noqa: E402
+
+
+class Block(nn.Module):
+    """A residual gated MLP: the block and its two Sequentials are nested candidates."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+        self.gate = nn.Sequential(nn.Linear(d, d), nn.GELU())
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.mlp(h) * self.gate(h)
+
+
+class Stack(nn.Module):
+    """Residual MLP blocks in a ModuleList: a chain, with nested candidates inside."""
+
+    def __init__(self, blocks=4, d=128, hidden=512, widths=None):
+        super().__init__()
+        widths = widths or [hidden] * blocks
+        self.blocks = nn.ModuleList([Block(d, h) for h in widths])
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    torch.manual_seed(0)
+    # Unequal widths: blocks differ in what they save and cost, so choices matter.
+    model = Stack(widths=[256, 512, 384, 640, 256])
+    x = torch.randn(256, 128)
+    t = pymemplan.trace(model, (x,), device="cpu")
+    return model, x, t
+
+
+def brute_force(p, budget):
+    """Least cost over every conflict-free subset, by enumeration."""
+    conflicts = p.conflicts()
+    best = None
+    for bits in itertools.product((0, 1), repeat=p.n):
+        x = np.array(bits)
+        if any(x[a] and x[b] for a, b in conflicts) or p.peak(x) > budget:
+            continue
+        c = p.cost(x)
+        if best is None or c < best - 1e-18:
+            best = c
+    return best
+
+
+def test_linear_model_equals_resimulated_timeline(stack):
+    model, x, t = stack
+    p = t.checkpoint_problem(model, (x,))
+    assert p.n > 5 and p.conflicts(), "blocks and their submodules are all candidates"
+    rng = np.random.default_rng(0)
+    rivals = {i: set() for i in range(p.n)}
+    for a, b in p.conflicts():
+        rivals[a].add(b)
+        rivals[b].add(a)
+    for _ in range(25):  # random conflict-free choices
+        xs = np.zeros(p.n, dtype=int)
+        for i in rng.permutation(p.n):
+            if rng.random() < 0.5 and not any(xs[j] for j in rivals[i]):
+                xs[i] = 1
+        np.testing.assert_array_equal(p.simulate(xs).total, p.memory(xs))
+    # Nothing chosen: the problem's base is the trace's own timeline.
+    assert p.peak(np.zeros(p.n, dtype=int)) == t.peak_bytes
+
+
+def test_containers_are_not_candidates(stack):
+    model, x, t = stack
+    p = t.checkpoint_problem(model, (x,))
+    mods = {c.module for c in p.candidates}
+    assert "blocks" not in mods and "blocks" in p.skipped  # a ModuleList has no forward
+    assert {f"blocks.{i}" for i in range(5)} <= mods
+    # Without the model the trace alone cannot tell a ModuleList from a Sequential.
+    # It leaves such modules out (here the Sequentials), never a ModuleList in.
+    alone = {c.module for c in t.checkpoint_problem().candidates}
+    assert "blocks" not in alone and "blocks.0.mlp" not in alone and "blocks.0" in alone
+    assert "blocks.0.mlp" in mods
+
+
+@pytest.mark.parametrize("frac", [0.92, 0.8, 0.7])
+def test_solvers_agree_with_brute_force(stack, frac):
+    model, x, t = stack
+    # The blocks alone form a chain: each with two policies (full, save-compute).
+    blocks = t.checkpoint_problem(model, (x,), modules=["blocks.?"])
+    assert blocks.n == 10 and {c.policy for c in blocks.candidates} == {"full", "save-compute"}
+    budget = int(t.peak_bytes * frac)
+    best = brute_force(blocks, budget)
+    assert best is not None
+    dp = solve_chain(blocks, budget)
+    mi = solve_milp(blocks, budget)
+    assert dp.solver == "chain-dp" and dp.optimal and mi.optimal
+    assert blocks.cost(dp.x) == pytest.approx(best, rel=1e-9)
+    assert blocks.cost(mi.x) == pytest.approx(best, rel=1e-6)
+    gr = solve_greedy(blocks, budget)
+    assert blocks.peak(gr.x) <= budget and blocks.cost(gr.x) >= best * (1 - 1e-9)
+
+
+def test_milp_is_exact_with_nested_candidates():
+    torch.manual_seed(0)
+    model = Stack(widths=[256, 512, 384])
+    x = torch.randn(128, 128)
+    t = pymemplan.trace(model, (x,), device="cpu")
+    # Blocks and their Sequentials (not the Sequentials' segments: 2^21 is too many to
+    # enumerate here).
+    p = t.checkpoint_problem(model, (x,), policies=("full",),
+                             modules=["blocks.?", "blocks.?.mlp", "blocks.?.gate"])
+    assert 8 <= p.n <= 13 and p.conflicts()
+    least, _ = least_peak(p)
+    for frac in (0.95, 0.85):
+        budget = max(int(t.peak_bytes * frac), least)
+        pl = make_plan(p, budget)
+        assert pl.solver == "milp" and pl.optimal and pl.gap == 0.0
+        assert pl.recompute_seconds == pytest.approx(brute_force(p, budget), rel=1e-6)
+        assert pl.predicted_peak_bytes <= budget
+
+
+def test_plan_report(stack):
+    model, x, t = stack
+    budget = int(t.peak_bytes * 0.8)
+    pl = t.plan(budget, model=model, inputs=(x,))
+    assert pl.predicted_peak_bytes <= budget < pl.unplanned_peak_bytes
+    p = t.checkpoint_problem(model, (x,))
+    chosen = [int(pl.policies.get(c.module) == c.policy) for c in p.candidates]
+    assert sum(chosen) == len(pl.modules)
+    assert pl.predicted_peak_bytes == p.simulate(chosen).peak_bytes
+    assert pl.cost_model == "flops+bytes" and pl.solve_seconds >= 0
+    rc = pl.recompute_cost
+    assert 0 < rc["fraction_of_forward"] < 1 and rc["seconds"] > 0
+    saved = {d.module for d in pl.saved}
+    assert set(pl.modules).isdisjoint(saved) and pl.modules
+    # The whole step is in the figure: parameters and gradients are part of the peak.
+    assert pl.breakdown["parameter"] > 0
+    text = pl.summary()
+    assert "predicted peak" in text and pl.modules[0] in text and pl.solver in text
+    # Strings are budgets too.
+    assert t.plan(f"{budget / 2**20}MiB", model=model, inputs=(x,)).predicted_peak_bytes <= budget
+
+
+def test_budget_too_small_says_what_is_achievable(stack):
+    model, x, t = stack
+    p = t.checkpoint_problem(model, (x,))
+    least, xs = least_peak(p)
+    assert least < t.peak_bytes
+    with pytest.raises(BudgetTooSmallError) as e:
+        t.plan(least - 4096, model=model, inputs=(x,))
+    msg = str(e.value)
+    assert e.value.least_peak_bytes == least
+    assert pymemplan.units.format_bytes(least) in msg and "parameter" in msg
+    assert "smaller batch" in msg
+    # ... and that peak is indeed reachable.
+    assert t.plan(least, model=model, inputs=(x,)).predicted_peak_bytes <= least
+    with pytest.raises(PlannerError, match="not a size"):
+        t.plan("lots", model=model, inputs=(x,))
+    with pytest.raises(PlannerError, match="chain"):
+        t.plan(least, model=model, inputs=(x,), solver="chain-dp")
+
+
+def test_pareto_front(stack, tmp_path):
+    model, x, t = stack
+    png = tmp_path / "pareto.png"
+    pts = t.pareto(6, model=model, inputs=(x,), path=png)
+    assert png.stat().st_size > 1000 and len(pts) >= 4
+    pts.sort(key=lambda q: q["budget_bytes"])
+    for a, b in zip(pts, pts[1:]):  # more memory never costs more recompute
+        assert b["recompute_seconds"] <= a["recompute_seconds"] + 1e-15
+    assert pts[-1]["recompute_seconds"] == 0
+    assert all(q["peak_bytes"] <= q["budget_bytes"] for q in pts)
+
+
+@pytest.mark.parametrize("policies", [("full", "save-compute"), ("save-compute",)])
+def test_predicted_peak_holds_in_a_real_step(stack, policies):
+    """The plan, applied, measured on a real CPU step: within the budget (+2%), and close
+    to the prediction."""
+    model, x, t = stack
+    for frac in (0.85, 0.8 if policies == ("save-compute",) else 0.7):
+        budget = int(t.peak_bytes * frac)
+        pl = t.plan(budget, model=model, inputs=(x,), policies=policies)
+        assert set(pl.policies.values()) <= set(policies)
+        pl.apply(model)
+        try:
+            measured = measure_step(model, (x,)).peak_bytes
+        finally:
+            pl.remove(model)
+        assert measured <= budget * 1.02
+        assert abs(measured - pl.predicted_peak_bytes) <= 0.02 * pl.predicted_peak_bytes
+
+
+def test_top_level_plan_and_lazy_import():
+    torch.manual_seed(0)
+    model = Stack(blocks=3, d=64, hidden=256)
+    x = torch.randn(64, 64)
+    full = pymemplan.trace(model, (x,), device="cpu").peak_bytes
+    pl = pymemplan.plan(model, (x,), budget=int(full * 0.9), device="cpu")
+    assert pl.predicted_peak_bytes <= int(full * 0.9)
+    out = subprocess.run([sys.executable, "-c", "import sys, pymemplan; pymemplan.plan; "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,0 +1,156 @@
+"""Eager apply: a planned model computes exactly what the original does, with the memory
+the plan predicts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import pymemplan  # noqa: E402
+from pymemplan.planner.checkpoint import Plan  # noqa: E402
+from pymemplan.planner.checkpoint.milp import least_peak  # noqa: E402
+from pymemplan.planner.checkpoint.apply_eager import (checkpointed_modules,  # noqa: E402
+                                                      unit_modules)
+from pymemplan.planner.errors import PlannerError  # noqa: E402
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, heads=4, p=0.1):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                 nn.Dropout(p), nn.Linear(4 * d, d))
+
+    def forward(self, x, scale: float = 1.0):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, d))) * scale
+        return x + self.mlp(x)
+
+
+class Tiny(nn.Module):
+    def __init__(self, layers=4, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.layers = nn.ModuleList([Attn(d) for _ in range(layers)])
+        self.out = nn.Linear(d, 50)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, scale=1.0 + i)  # keyword arguments go through checkpoint too
+        return self.out(x)
+
+
+def loss_fn(out):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), torch.zeros(out.shape[0] * out.shape[1],
+                                                                       dtype=torch.long))
+
+
+def step(model, ids, seed):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(ids))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["full", "save-compute"])
+def test_apply_keeps_the_model_and_its_results_bitwise(policy):
+    torch.manual_seed(0)
+    model = Tiny()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (4, 48))
+    t = pymemplan.trace(model, (ids,), loss_fn=loss_fn, device="cpu")
+    plan = t.plan(int(t.peak_bytes * 0.85), model=model, inputs=(ids,), policies=(policy,))
+    assert isinstance(plan, Plan) and plan.modules and set(plan.policies.values()) == {policy}
+
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    out = plan.apply(model)
+    # A unit is a module, or "seq[first:last]": a run of an nn.Sequential's children,
+    # applied by replacing that Sequential's forward.
+    owners = {m.partition("[")[0] if m.endswith("]") else m for m in plan.modules}
+    assert out is model and set(checkpointed_modules(model)) == owners
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys
+    for path in owners:  # the forward really runs under checkpoint
+        assert "forward" in model.get_submodule(path).__dict__
+
+    # Dropout is on: the recompute must replay the same masks (RNG state preserved).
+    model.train(), ref.train()
+    for seed in (1, 2):
+        l1, g1 = step(model, ids, seed)
+        l0, g0 = step(ref, ids, seed)
+        assert torch.equal(l1, l0)
+        for n in g0:
+            assert torch.equal(g1[n], g0[n]), n
+
+    Plan.remove(model)
+    assert checkpointed_modules(model) == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    l1, g1 = step(model, ids, 3)
+    l0, g0 = step(ref, ids, 3)
+    assert torch.equal(l1, l0)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.Sequential(*[
+            nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(),
+                          nn.Conv2d(c_out, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+            for c_in, c_out in ((3, 8), (8, 8), (8, 16))])
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(self.stages(x).mean((2, 3))).logsumexp(1).mean()
+
+
+@pytest.mark.parametrize("policy", ["full", "save-compute"])
+def test_batchnorm_statistics_move_once_per_step(policy):
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 3, 16, 16)
+    t = pymemplan.trace(model, (x,), device="cpu")
+    least, _ = least_peak(t.checkpoint_problem(model, (x,), policies=(policy,)))
+    assert least < t.peak_bytes
+    budget = (least + t.peak_bytes) // 2
+    plan = t.plan(budget, model=model, inputs=(x,), policies=(policy,))
+    assert set(plan.policies.values()) == {policy}
+    plan.apply(model)
+    assert any(isinstance(m, nn.BatchNorm2d) for u in plan.modules
+               for top in unit_modules(model, u) for m in top.modules())
+    for _ in range(2):
+        model(x).backward()
+        ref(x).backward()
+    for (n, b), b0 in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(b, b0), n  # num_batches_tracked == 2, means and variances too
+    for (n, p), p0 in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, p0.grad, rtol=1e-5, atol=1e-6), n
+    # Inference under no_grad does not checkpoint (nothing to save), and still works.
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_apply_to_the_wrong_model_is_an_error():
+    torch.manual_seed(0)
+    model = Tiny(layers=2)
+    ids = torch.randint(0, 50, (2, 16))
+    t = pymemplan.trace(model, (ids,), loss_fn=loss_fn, device="cpu")
+    plan = t.plan(int(t.peak_bytes * 0.9), model=model, inputs=(ids,))
+    with pytest.raises(PlannerError, match="does not have"):
+        plan.apply(nn.Sequential(nn.Linear(2, 2)))
