@@ -455,11 +455,10 @@ def test_recorded_benchmark_traces_steady_state():
     bert_base 1.0204, resnet50 1.0247; the 1% target is not met yet (see planned.hpp)."""
     from pymemplan.traces import read_trace, replay
 
-    names = ["gpt2_6l_s512", "bert_base"]
-    paths = [ROOT / "benchmarks" / "traces" / f"{n}.csv.gz" for n in names]
-    if not all(p.exists() for p in paths):
-        pytest.skip("benchmark traces absent (python benchmarks/alloc_replay.py records them); "
-                    "test_recorded_traces_never_above_torch covers tests/data")
+    # A recorded GPT-2 (6 layers, sequence 512) training run ships in tests/data; the
+    # benchmark's other traces are checked when they have been recorded.
+    paths = [ROOT / "tests" / "data" / "gpt2_6l_s512.csv.gz"]
+    paths += [p for p in [ROOT / "benchmarks" / "traces" / "bert_base.csv.gz"] if p.exists()]
     for path in paths:
         res = {r.policy: r for r in replay(read_trace(path), [POLICY, "pymemplan"])}
         planned = res[POLICY]
