@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_traces
 
 HERE = Path(__file__).resolve().parent
@@ -131,7 +129,7 @@ def record_traces(names, rerecord=False):
 
 
 def available(policies):
-    """The policies this build knows (pymemplan-planned may not be built yet)."""
+    """The policies this build knows."""
     from pymemplan import _core
 
     out = []
@@ -139,12 +137,8 @@ def available(policies):
         try:
             _core.parse_config(p, "")
         except _core.AllocatorError:
-            try:  # plan-guided policies are dispatched by the factory, not PolicyConfig
-                _core.replay(np.zeros(1, np.uint8), np.ones(1, np.int64), np.full(1, 512),
-                             np.zeros(1, np.int64), p, "", 1 << 30, 2 << 20)
-            except _core.AllocatorError:
-                print(f"policy {p} is not available in this build; skipped")
-                continue
+            print(f"policy {p} is not available in this build; skipped")
+            continue
         out.append(p)
     return out
 
