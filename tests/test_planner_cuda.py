@@ -143,3 +143,49 @@ def test_prediction_against_a_real_gpu_step():
     gap = measured.peak_bytes - predicted.peak_bytes
     assert -0.01 * measured.peak_bytes <= gap <= 0.02 * measured.peak_bytes + (80 << 20), \
         (predicted.peak_bytes, measured.peak_bytes)
+
+
+class Blocks(nn.Module):
+    """Attention blocks with dropout; ``checkpointed`` blocks run under
+    torch.utils.checkpoint, which re-runs their forward during backward."""
+
+    def __init__(self, n=3, checkpointed=()):
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention(dropout_p=0.1) for _ in range(n))
+        self.checkpointed = set(checkpointed)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for i, b in enumerate(self.blocks):
+            y = checkpoint(b, x, use_reentrant=False) if i in self.checkpointed else b(x)
+            x = x + y.transpose(1, 2).reshape(B, L, H * E)
+        return x
+
+
+def test_checkpointed_model_traces_with_cuda_kernels_in_the_recompute():
+    # The recompute in backward must dispatch the same CUDA kernels as the forward did
+    # (efficient attention, with its dropout inside), or checkpoint's saved-tensor check
+    # fails.
+    x = torch.randn(B, L, H * E)
+    plain = pymemplan.trace(Blocks(), (x,), loss_fn=mean_loss, device="cuda")
+    ckpt = pymemplan.trace(Blocks(checkpointed={0, 1}), (x,), loss_fn=mean_loss, device="cuda")
+    names = {op.name for op in ckpt.ops if op.phase == "backward"}
+    assert "aten._scaled_dot_product_efficient_attention.default" in names  # recomputed
+    assert ckpt.breakdown(plain.peak_index)["activation"] < \
+        plain.breakdown(plain.peak_index)["activation"]
+
+
+def test_grads_present_traces_a_later_accumulation_micro_step():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    x = torch.randn(64, 256)
+    first = pymemplan.trace(model, (x,), loss_fn=mean_loss, device="cuda")
+    later = pymemplan.trace(model, (x,), loss_fn=mean_loss, device="cuda", grads_present=True)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # Gradients exist from the start: they are under the whole forward...
+    assert later.breakdown(0)["gradient"] == grad_bytes
+    assert first.breakdown(0)["gradient"] == 0
+    # ... and backward adds into them instead of making new ones.
+    assert later.breakdown(later.graph.num_ops - 1)["gradient"] == grad_bytes
+    assert later.peak_bytes > first.peak_bytes
+    assert all(p.grad is None for p in model.parameters())

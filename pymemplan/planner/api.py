@@ -15,7 +15,8 @@ from .timeline import Timeline, build_timeline, live_at, live_interval
 
 
 def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=None,
-          train: bool = True, probe_kernels: bool | None = None, progress=None) -> "MemoryTrace":
+          train: bool = True, probe_kernels: bool | None = None, progress=None,
+          grads_present: bool = False) -> "MemoryTrace":
     """Predict the memory of one training step of ``model`` on ``inputs``, without running it.
 
     - ``inputs``: a tuple of positional arguments (a single tensor is accepted too).
@@ -35,6 +36,9 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
       possible for the CPU target, where it is on by default; signatures needing more than
       a quarter of this machine's memory are skipped. With it off, and for CUDA, nothing
       real is allocated.
+    - ``grads_present``: gradients already exist when the step starts and backward adds
+      into them: a micro-step of gradient accumulation after the first. With an
+      optimizer, it is the last micro-step, the one that also runs the optimizer.
 
     The model is never modified: its parameters, gradients and modes are as before.
     """
@@ -62,7 +66,7 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
                            f"it works for device='cpu' only, not {profile.name!r}")
     g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                 autocast=autocast, train=train, progress=progress,
-                probe_limit=_probe_limit() if probe_kernels else 0)
+                probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present)
     return MemoryTrace(g)
 
 
@@ -318,7 +322,9 @@ class MemoryTrace:
 
                 inputs = (inputs,) if not isinstance(inputs, (tuple, list)) else tuple(inputs)
                 flops, outputs, names = forward_facts(model, inputs,
-                                                      train=self.graph.meta.get("train", True))
+                                                      train=self.graph.meta.get("train", True),
+                                                      device=self.graph.device,
+                                                      autocast=self.graph.meta.get("autocast"))
                 # Module outputs by op index are only meaningful if the ops line up with
                 # the trace's (they may not under a device profile or autocast).
                 traced = [op.name for op in self.graph.ops[:len(names)]]

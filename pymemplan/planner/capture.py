@@ -216,12 +216,28 @@ class _Recorder:
                 used.append(tid)
         for tid in used:
             self.tensors[tid].last_use = index
-        self.ops[index].seq = self._tick()
+        op = self.ops[index]
+        op.seq = self._tick()
+        op.written = new_bytes
+        if flat_in:
+            op.dtype = str(flat_in[0].dtype).replace("torch.", "")
+        formula = _flop_formula(func)
+        if formula is not None:
+            try:
+                op.flops = float(formula(*args, **(kwargs or {}), out_val=out))
+            except Exception:  # an overload the formula does not cover: no FLOPs known
+                op.flops = 0.0
         if self.probes is not None and not on_host:
             self.probes.add(index, func, args, kwargs, new_bytes)
         if self.progress is not None and index % 500 == 0:
             self.progress(self.phase, index)
         return out
+
+
+def _flop_formula(func):
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry.get(getattr(func, "overloadpacket", None))
 
 
 def _dispatch_mode(rec: _Recorder):
@@ -319,6 +335,18 @@ def _to_loss(out, loss_fn):
         f"maps the model's output to a scalar, e.g. loss_fn=lambda out: out.float().mean()")
 
 
+def _backward(loss) -> None:
+    """``loss.backward()``, calling the autograd engine directly. Through
+    ``Tensor.backward`` the call would enter the torch-function layer, which is switched
+    off while its handler runs: Python code that runs during backward (activation
+    checkpointing re-running a module's forward) would miss the device profile's kernels."""
+    import torch
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward((loss,), (torch.ones_like(loss, memory_format=torch.preserve_format),),
+                         False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
 def _check_loss(loss) -> None:
     import torch
 
@@ -391,13 +419,17 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
 
 def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: DeviceProfile,
             autocast=None, train: bool = True, progress: Callable | None = None,
-            probe_limit: int = 0) -> StepGraph:
+            probe_limit: int = 0, grads_present: bool = False) -> StepGraph:
     """Run one training step of `model` on fake copies of its state and record it.
+
+    ``grads_present``: gradients already exist when the step starts, as in every
+    micro-step of gradient accumulation after the first; backward adds into them.
 
     ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
     signatures whose tensors fit in that many bytes."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
     from torch.utils import _pytree as pytree
 
     from .probe import ProbeSet
@@ -430,6 +462,9 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             if optimizer is not None:
                 opt = _make_optimizer(optimizer, params, fake_of, profile)
                 _warm_up_optimizer(opt)
+            if grads_present:
+                for f in params:
+                    f.grad = torch.zeros_like(f)
 
         # What exists when the step starts.
         for p in model.parameters():
@@ -437,11 +472,14 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             rec.param_module[id(fake_of[id(p)])] = names[id(p)].rpartition(".")[0]
         for b in model.buffers():
             rec.register(fake_of[id(b)], BUFFER, names[id(b)])
+        pnames = {id(f): names[rid] for rid, f in fake_of.items() if rid in names}
+        if grads_present:
+            for f in params:
+                rec.register(f.grad, GRADIENT, f"{pnames[id(f)]}.grad")
         for i, a in enumerate(pytree.tree_leaves(fake_args)):
             if isinstance(a, torch.Tensor):
                 rec.register(a, INPUT, f"inputs[{i}]")
         if opt is not None:
-            pnames = {id(f): names[rid] for rid, f in fake_of.items() if rid in names}
             for p, st in opt.state.items():
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
@@ -470,20 +508,24 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                else contextlib.nullcontext())
         try:
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)):
-                phase_starts[FORWARD] = len(rec.ops)
-                with amp:
-                    out = torch.func.functional_call(model, state, fake_args)
-                    loss = _to_loss(out, loss_fn)
-                del out
-                _check_loss(loss)
-                # Whatever the forward pass made and is still alive now is kept for
-                # backward (or is the loss itself): the activations.
-                activations = {tid for tid in rec.live.values()
-                               if rec.tensors[tid].alloc_op != BEFORE_STEP}
-                rec.phase = BACKWARD
-                phase_starts[BACKWARD] = len(rec.ops)
-                loss.backward()
-                del loss
+                # The fake state stays in place through backward, not just the forward
+                # (as functional_call would): activation checkpointing re-runs modules'
+                # forward during backward.
+                with _reparametrize_module(model, state, tie_weights=True):
+                    phase_starts[FORWARD] = len(rec.ops)
+                    with amp:
+                        out = model(*fake_args)
+                        loss = _to_loss(out, loss_fn)
+                    del out
+                    _check_loss(loss)
+                    # Whatever the forward pass made and is still alive now is kept for
+                    # backward (or is the loss itself): the activations.
+                    activations = {tid for tid in rec.live.values()
+                                   if rec.tensors[tid].alloc_op != BEFORE_STEP}
+                    rec.phase = BACKWARD
+                    phase_starts[BACKWARD] = len(rec.ops)
+                    _backward(loss)
+                    del loss
                 if opt is not None:
                     rec.phase = OPTIMIZER
                     phase_starts[OPTIMIZER] = len(rec.ops)
@@ -516,6 +558,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                                "foreach": (opt.param_groups[0].get("foreach")
                                            if opt is not None else None),
                                "autocast": str(autocast).replace("torch.", "") if autocast else None,
+                               "grads_present": grads_present,
                                "inputs": _describe_inputs(tuple(inputs)),
                                "kernel_scratch_probe": probe_stats,
                                "torch_version": torch.__version__})

@@ -40,6 +40,9 @@ class OpNode:
     autograd_node: str   # the backward node running it ("MmBackward0"), "" outside backward
     scratch: int = 0     # bytes its kernel allocates and frees inside the op (probe.py)
     seq: int = 0         # position of the op's end in the global event order
+    flops: float = 0.0   # from shapes, by torch.utils.flop_counter's formulas (0: none known)
+    dtype: str = ""      # dtype of its first tensor input: the precision it computes in
+    written: int = 0     # bytes of the new storages it allocated
 
 
 @dataclass
