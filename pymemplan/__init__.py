@@ -29,6 +29,9 @@ _PLANNER_API = frozenset({"trace", "MemoryTrace", "PlannerError", "UntraceableEr
 # (pymemplan.planner.checkpoint).
 _CHECKPOINT_API = frozenset({"plan", "compile_backend"})
 
+# What if: `pymemplan.advise(model, inputs, capacity="24GiB")` (pymemplan.whatif).
+_WHATIF_API = frozenset({"advise", "Advice"})
+
 
 def __getattr__(name):
     if name in _ALLOCATOR_API:
@@ -49,11 +52,17 @@ def __getattr__(name):
         value = getattr(checkpoint, name)
         globals()[name] = value
         return value
+    if name in _WHATIF_API:
+        from . import whatif
+
+        value = getattr(whatif, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'pymemplan' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | _ALLOCATOR_API | _PLANNER_API | _CHECKPOINT_API)
+    return sorted(set(globals()) | _ALLOCATOR_API | _PLANNER_API | _CHECKPOINT_API | _WHATIF_API)
 
 
 # Enabling at import lets a program use pymemplan without changing its code, and runs

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace
 
     _add_trace_parser(sub)
+    from .whatif.cli import add_parser as _add_plan_parser
+
+    _add_plan_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -16,7 +16,7 @@ from .timeline import Timeline, build_timeline, live_at, live_interval
 
 def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=None,
           train: bool = True, probe_kernels: bool | None = None, progress=None,
-          grads_present: bool = False) -> "MemoryTrace":
+          grads_present: bool = False, grad_scaler: bool = False) -> "MemoryTrace":
     """Predict the memory of one training step of ``model`` on ``inputs``, without running it.
 
     - ``inputs``: a tuple of positional arguments (a single tensor is accepted too).
@@ -39,6 +39,7 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     - ``grads_present``: gradients already exist when the step starts and backward adds
       into them: a micro-step of gradient accumulation after the first. With an
       optimizer, it is the last micro-step, the one that also runs the optimizer.
+    - ``grad_scaler``: trace ``torch.amp.GradScaler``'s part of the step too (fp16).
 
     The model is never modified: its parameters, gradients and modes are as before.
     """
@@ -66,7 +67,8 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
                            f"it works for device='cpu' only, not {profile.name!r}")
     g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                 autocast=autocast, train=train, progress=progress,
-                probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present)
+                probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
+                grad_scaler=grad_scaler)
     return MemoryTrace(g)
 
 

@@ -181,6 +181,8 @@ class _Recorder:
             n = torch._C._current_autograd_node()
             node = n.name() if n is not None else ""
         name = str(func)
+        if self.phase == OPTIMIZER and func is torch.ops.aten._local_scalar_dense.default:
+            return _placeholder_scalar(args[0])
         self.ops.append(OpNode(index, name, module, self.phase, node))
         try:
             out = func(*args, **(kwargs or {}))
@@ -307,6 +309,31 @@ def _make_optimizer(optimizer, params: list, fake_of: dict, profile: DeviceProfi
     return opt
 
 
+def _placeholder_scalar(t):
+    """A value for ``.item()`` on a fake tensor in the optimizer step. Some optimizers
+    read scalars there (Adafactor's parameter norm scales its step size); the memory the
+    step takes does not depend on them, and fake tensors have no values."""
+    return False if t.dtype == _torch().bool else (0 if not t.dtype.is_floating_point else 1.0)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _optimizer_scalars():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Scalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _torch().ops.aten._local_scalar_dense.default:
+                return _placeholder_scalar(args[0])
+            return func(*args, **(kwargs or {}))
+
+    return _Scalars()
+
+
 def _warm_up_optimizer(opt) -> None:
     """One step on zero gradients, so the traced step is the steady state: optimizer state
     already exists, as in every step after the first."""
@@ -315,7 +342,8 @@ def _warm_up_optimizer(opt) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt.step()
+    with _optimizer_scalars():
+        opt.step()
     for p in params:
         p.grad = None
 
@@ -333,6 +361,39 @@ def _to_loss(out, loss_fn):
     raise PlannerError(
         f"the model returned {type(out).__name__}, not a scalar loss; pass loss_fn=... that "
         f"maps the model's output to a scalar, e.g. loss_fn=lambda out: out.float().mean()")
+
+
+class _ScalerState:
+    """``torch.amp.GradScaler``'s tensors and ops (torch/amp/grad_scaler.py), without
+    its ``.item()`` on the inf flag, which fake tensors have no value for."""
+
+    def __init__(self):
+        import torch
+
+        self.scale = torch.full((), 2.0 ** 16, dtype=torch.float32)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+        self.found_inf = None
+
+    def scale_loss(self, loss):
+        return loss * self.scale
+
+    def unscale(self, grads) -> None:
+        import torch
+
+        inv_scale = self.scale.double().reciprocal().float()
+        self.found_inf = torch.full((), 0.0, dtype=torch.float32)
+        by_dtype: dict = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, self.found_inf, inv_scale)
+
+    def update(self) -> None:
+        import torch
+
+        torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf,
+                                 2.0, 0.5, 2000)
+        self.found_inf = None
 
 
 def _backward(loss) -> None:
@@ -419,11 +480,15 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
 
 def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: DeviceProfile,
             autocast=None, train: bool = True, progress: Callable | None = None,
-            probe_limit: int = 0, grads_present: bool = False) -> StepGraph:
+            probe_limit: int = 0, grads_present: bool = False,
+            grad_scaler: bool = False) -> StepGraph:
     """Run one training step of `model` on fake copies of its state and record it.
 
     ``grads_present``: gradients already exist when the step starts, as in every
     micro-step of gradient accumulation after the first; backward adds into them.
+    ``grad_scaler``: the step of ``torch.amp.GradScaler`` (fp16 training): the loss is
+    scaled, gradients are unscaled and checked for infs before the optimizer step, and
+    the scale is updated, on the scaler's own tensors.
 
     ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
     signatures whose tensors fit in that many bytes."""
@@ -465,6 +530,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             if grads_present:
                 for f in params:
                     f.grad = torch.zeros_like(f)
+            scaler = _ScalerState() if grad_scaler else None
 
         # What exists when the step starts.
         for p in model.parameters():
@@ -479,6 +545,9 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
         for i, a in enumerate(pytree.tree_leaves(fake_args)):
             if isinstance(a, torch.Tensor):
                 rec.register(a, INPUT, f"inputs[{i}]")
+        if scaler is not None:
+            rec.register(scaler.scale, OPTIMIZER_STATE, "grad_scaler.scale")
+            rec.register(scaler.growth_tracker, OPTIMIZER_STATE, "grad_scaler.growth_tracker")
         if opt is not None:
             for p, st in opt.state.items():
                 for k, v in st.items():
@@ -518,6 +587,8 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                         loss = _to_loss(out, loss_fn)
                     del out
                     _check_loss(loss)
+                    if scaler is not None:
+                        loss = scaler.scale_loss(loss)
                     # Whatever the forward pass made and is still alive now is kept for
                     # backward (or is the loss itself): the activations.
                     activations = {tid for tid in rec.live.values()
@@ -529,7 +600,11 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                 if opt is not None:
                     rec.phase = OPTIMIZER
                     phase_starts[OPTIMIZER] = len(rec.ops)
+                    if scaler is not None:
+                        scaler.unscale([f.grad for f in params if f.grad is not None])
                     opt.step()
+                    if scaler is not None:
+                        scaler.update()
         except PlannerError:
             raise
         except Exception as e:

@@ -47,30 +47,46 @@ def state_bytes(model, inputs, opt) -> int:
     return sum(seen.values())
 
 
-def step_fn(model, inputs, loss_fn, opt):
+def step_fn(model, inputs, loss_fn, opt, autocast=None, scaler=None):
     """The training step :func:`pymemplan.trace` predicts, as plain eager code."""
+    import contextlib
+
     import torch
 
+    device = next(iter(model.parameters())).device.type
+
     def step():
-        out = model(*inputs)
-        if loss_fn is not None:
-            loss = loss_fn(out)
-        else:
-            loss = out if isinstance(out, torch.Tensor) else out.loss
-        del out
+        amp = (torch.autocast(device, dtype=autocast) if autocast is not None
+               else contextlib.nullcontext())
+        with amp:
+            out = model(*inputs)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+            else:
+                loss = out if isinstance(out, torch.Tensor) else out.loss
+            del out
+        if scaler is not None:
+            loss = scaler.scale(loss)
         loss.backward()
         del loss
         if opt is not None:
-            opt.step()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
     return step
 
 
-def measure_step(model, inputs, *, loss_fn=None, optimizer=None) -> Measurement:
+def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
+                 grads_present: bool = False, grad_scaler: bool = False) -> Measurement:
     """Run one steady-state training step for real and measure its peak.
 
     With an optimizer, a first step creates its state; gradients are then set to None and
     the second step is measured, as :func:`pymemplan.trace` predicts it. The device is
-    the one the model's parameters are on.
+    the one the model's parameters are on. ``autocast``, ``grads_present`` (a later
+    micro-step of gradient accumulation: gradients exist and backward adds into them) and
+    ``grad_scaler`` (``torch.amp.GradScaler``) as for :func:`pymemplan.trace`.
     """
     import torch
 
@@ -79,12 +95,21 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None) -> Measurement:
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     opt = _build_optimizer(optimizer, model)
-    step = step_fn(model, inputs, loss_fn, opt)
+    device = next(iter(model.parameters())).device
+    scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
+    step = step_fn(model, inputs, loss_fn, opt, autocast, scaler)
     if opt is not None:
         step()
     model.zero_grad(set_to_none=True)
-    device = next(iter(model.parameters())).device
-    start = state_bytes(model, inputs, opt)
+    grads = []
+    if grads_present:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+    if scaler is not None:
+        grads += [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
+    start = state_bytes(model, list(inputs) + grads, opt)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

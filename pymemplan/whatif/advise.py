@@ -1,0 +1,714 @@
+"""``pymemplan.advise``: every memory technique users reach for, quantified on their model.
+
+Each row is a configuration of the same training step, *traced* (``pymemplan.trace``),
+never estimated by a rule of thumb: mixed precision, the largest batch, gradient
+accumulation, activation checkpointing, another optimizer, quantized frozen weights,
+sharding across GPUs. For each: the predicted peak of live bytes, the peak the
+allocator would reserve (CUDA; replayed through the allocator model), whether it fits
+the capacity, the compute it costs relative to the unchanged step, and the code that
+applies it. The last row is the cheapest combination that fits.
+
+Compute cost (``relative_compute``): estimated seconds per *sample* on a nominal device,
+relative to the unchanged step, from the traced ops themselves: FLOPs from shapes
+(``torch.utils.flop_counter``'s formulas) at a rate that depends on the dtype the op
+computes in, plus bytes written for memory-bound ops (``cost.DeviceSpeed``). On CUDA,
+fp32 matmuls are counted at half the bf16/fp16 rate (TF32 tensor cores); on CPU every
+dtype gets the same rate. Recomputation under checkpointing appears in the traced
+backward, so it is counted without a separate formula.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from ..planner.errors import PlannerError
+from ..units import format_bytes, parse_bytes
+
+TECHNIQUES = ("precision", "batch", "accumulation", "checkpoint", "optimizer", "weights",
+              "sharding")
+
+# Optimizers compared by the "optimizer" rows: name -> (factory, code).
+_OPTIMIZER_CODE = {
+    "sgd-momentum": "torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)",
+    "adam": "torch.optim.Adam(model.parameters(), lr=1e-3)",
+    "adamw": "torch.optim.AdamW(model.parameters(), lr=1e-3)",
+    "adafactor": "torch.optim.Adafactor(model.parameters(), lr=1e-2)",
+    "adamw-8bit": "bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-3)",
+}
+
+
+def _optimizer_factory(name: str):
+    import torch
+
+    if name == "sgd-momentum":
+        return lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam
+    if name == "adamw":
+        return torch.optim.AdamW
+    if name == "adafactor":
+        return getattr(torch.optim, "Adafactor", None)
+    if name == "adamw-8bit":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            return None
+        return bitsandbytes.optim.AdamW8bit
+    raise AssertionError(name)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the step. ``batch`` is the micro-batch when ``accumulation``
+    > 1 (the traced step is then the last micro-step: gradients present, optimizer runs)."""
+
+    batch: int
+    autocast: str | None = None           # None, "bf16", "fp16"
+    optimizer: str | None = None          # None: the user's optimizer
+    accumulation: int = 1
+    checkpoint: tuple = ()                # ((module, policy), ...) from a checkpoint plan
+    weights: str | None = None            # None, "int8", "nf4", "prune-0.3", ...
+    sharding: str | None = None           # None, "ddp", "zero1", "zero2", "zero3", "fsdp"
+
+    def changes(self, base: "Config") -> list[str]:
+        out = []
+        if self.autocast:
+            out.append(f"autocast {self.autocast}")
+        if self.accumulation > 1:
+            out.append(f"micro-batch {self.batch} x {self.accumulation} accumulation steps")
+        elif self.batch != base.batch:
+            out.append(f"batch {self.batch}")
+        if self.checkpoint:
+            out.append(f"checkpoint {len(self.checkpoint)} module(s)")
+        if self.optimizer:
+            out.append(f"optimizer {self.optimizer}")
+        if self.weights:
+            out.append(f"weights {self.weights}")
+        if self.sharding:
+            out.append(self.sharding)
+        return out
+
+
+@dataclass
+class Row:
+    """One configuration with its predicted memory and cost (see :func:`advise`)."""
+
+    technique: str
+    name: str
+    config: Config
+    peak_bytes: int | None
+    reserved_bytes: int | None
+    fits: bool | None
+    relative_compute: float | None
+    code: str = ""
+    notes: str = ""
+    breakdown: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    trace: Any = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {"technique": self.technique, "name": self.name,
+                "config": {"batch": c.batch, "autocast": c.autocast, "optimizer": c.optimizer,
+                           "accumulation": c.accumulation,
+                           "checkpoint": dict(c.checkpoint), "weights": c.weights,
+                           "sharding": c.sharding},
+                "peak_bytes": self.peak_bytes, "reserved_bytes": self.reserved_bytes,
+                "fits": self.fits, "relative_compute": self.relative_compute,
+                "code": self.code, "notes": self.notes, "breakdown": self.breakdown,
+                **self.extra}
+
+
+class Advice:
+    """The rows of :func:`advise`; ``best`` is the cheapest configuration that fits."""
+
+    def __init__(self, rows: list[Row], *, capacity: int, device: str, policy: str | None,
+                 model: str, baseline: Row, best: Row | None, seconds: float,
+                 world_size: int, batch: int):
+        self.rows = rows
+        self.capacity_bytes = capacity
+        self.device = device
+        self.policy = policy
+        self.model = model
+        self.baseline = baseline
+        self.best = best
+        self.seconds = seconds
+        self.world_size = world_size
+        self.batch = batch
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def rows_for(self, technique: str) -> list[Row]:
+        return [r for r in self.rows if r.technique == technique]
+
+    def row(self, name: str) -> Row:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(f"no row named {name!r}; rows: {', '.join(r.name for r in self.rows)}")
+
+    @property
+    def fit_metric(self) -> str:
+        return "reserved" if self.device == "cuda" else "peak"
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "device": self.device, "capacity_bytes": self.capacity_bytes,
+                "allocator_policy": self.policy, "batch": self.batch,
+                "world_size": self.world_size, "fit_on": self.fit_metric,
+                "seconds": self.seconds, "rows": [r.to_dict() for r in self.rows],
+                "best": self.best.to_dict() if self.best is not None else None}
+
+    def to_json(self, path=None) -> str:
+        import json
+
+        s = json.dumps(self.to_dict(), indent=2, default=float)
+        if path is not None:
+            from pathlib import Path
+
+            Path(path).write_text(s)
+        return s
+
+    def table(self, width: int | None = None):
+        from .report import advice_table
+
+        return advice_table(self)
+
+    def summary(self, width: int | None = None) -> str:
+        from .report import summary_text
+
+        return summary_text(self, width)
+
+    def print(self) -> None:
+        from .report import print_advice
+
+        print_advice(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        best = self.best.name if self.best is not None else "nothing fits"
+        return (f"<Advice {self.model} on {self.device}, capacity "
+                f"{format_bytes(self.capacity_bytes)}: {len(self.rows)} rows, best: {best}>")
+
+    def plot(self, path, row: Row | None = None):
+        """The timeline of ``row`` (default: the best, else the baseline) as a PNG."""
+        r = row or self.best or self.baseline
+        title = f"{self.model}: {r.name} ({format_bytes(r.peak_bytes or 0)} peak)"
+        return r.trace.plot(path, title=title)
+
+    def to_html(self, path) -> str:
+        """One self-contained page (timeline, breakdown, table, code); returns its path."""
+        from .report import write_html
+
+        return write_html(self, path)
+
+
+# -----------------------------------------------------------------------------------------
+# Inputs at another batch size
+# -----------------------------------------------------------------------------------------
+
+def _leaves(inputs):
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(inputs)
+
+
+def detect_batch(inputs) -> int | None:
+    """The batch size: dim 0 of the first tensor input with at least one dimension."""
+    import torch
+
+    for a in _leaves(inputs):
+        if isinstance(a, torch.Tensor) and a.dim() >= 1:
+            return int(a.shape[0])
+    return None
+
+
+def inputs_at_batch(inputs, old: int, new: int):
+    """``inputs`` with every tensor whose dim 0 is ``old`` resized to ``new``, on the meta
+    device: tracing reads only shapes and dtypes."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    def resize(t):
+        if t.dim() >= 1 and t.shape[0] == old:
+            return torch.empty((new, *t.shape[1:]), dtype=t.dtype, device="meta") \
+                .requires_grad_(t.requires_grad)
+        return t
+    return pytree.tree_map_only(torch.Tensor, resize, inputs)
+
+
+# -----------------------------------------------------------------------------------------
+# The advisor
+# -----------------------------------------------------------------------------------------
+
+_AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+class _Advisor:
+    def __init__(self, model, inputs, *, capacity: int, optimizer, loss_fn, device: str,
+                 policy: str | None, make_inputs, world_size: int, trace_kwargs: dict,
+                 progress: Callable | None):
+        self.model = model
+        self.inputs = inputs if isinstance(inputs, tuple) else (
+            tuple(inputs) if isinstance(inputs, list) else (inputs,))
+        self.capacity = capacity
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.policy = policy
+        self.make_inputs = make_inputs
+        self.world_size = world_size
+        self.trace_kwargs = trace_kwargs
+        self.progress = progress
+        self.batch0 = detect_batch(self.inputs)
+        self._traces: dict[Config, Any] = {}
+        self._measured: dict[Config, tuple] = {}
+
+    # -- tracing -------------------------------------------------------------------------
+    def _say(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what)
+
+    def inputs_for(self, batch: int):
+        if self.make_inputs is not None:
+            out = self.make_inputs(batch)
+            return out if isinstance(out, tuple) else (out,)
+        if batch == self.batch0:
+            return self.inputs
+        if self.batch0 is None:
+            raise PlannerError(
+                "cannot change the batch size: no input tensor has a batch dimension; pass "
+                "make_inputs=lambda batch: (...) that builds the inputs for a batch size")
+        return inputs_at_batch(self.inputs, self.batch0, batch)
+
+    def optimizer_for(self, cfg: Config):
+        if cfg.optimizer is None:
+            return self.optimizer
+        return _optimizer_factory(cfg.optimizer)
+
+    def trace(self, cfg: Config):
+        """The traced step of ``cfg`` (cached)."""
+        if cfg in self._traces:
+            return self._traces[cfg]
+        import torch
+
+        from ..planner.api import trace as trace_step
+
+        self._say(f"tracing {', '.join(cfg.changes(self.base)) or 'the step as it is'}"
+                  f" (batch {cfg.batch})")
+        autocast = getattr(torch, _AUTOCAST[cfg.autocast]) if cfg.autocast else None
+        kwargs = dict(self.trace_kwargs)
+        if cfg.autocast == "fp16":
+            kwargs["grad_scaler"] = True
+        if cfg.sharding is not None:
+            from .sharding import trace_sharded
+
+            t = trace_sharded(self.model, self.inputs_for(cfg.batch), strategy=cfg.sharding,
+                              world_size=self.world_size, loss_fn=self.loss_fn,
+                              optimizer=self.optimizer_for(cfg), device=self.device,
+                              autocast=autocast, **kwargs)
+        else:
+            import contextlib
+
+            from ..planner.checkpoint.apply_eager import apply, remove
+            from .weights import prepared
+
+            with contextlib.ExitStack() as stack:
+                if cfg.weights is not None:
+                    stack.enter_context(prepared(self.model, cfg.weights))
+                if cfg.checkpoint:
+                    apply(self.model, dict(cfg.checkpoint))
+                    stack.callback(remove, self.model)
+                t = trace_step(self.model, self.inputs_for(cfg.batch), loss_fn=self.loss_fn,
+                               optimizer=self.optimizer_for(cfg), device=self.device,
+                               autocast=autocast, grads_present=cfg.accumulation > 1, **kwargs)
+        if cfg.weights is not None:
+            from .weights import rewrite
+
+            t = rewrite(t, self.model, cfg.weights)
+        self._traces[cfg] = t
+        return t
+
+    def measure(self, cfg: Config) -> tuple[int, int | None, bool]:
+        """(peak of live bytes, peak reserved or None on CPU, fits)."""
+        if cfg not in self._measured:
+            t = self.trace(cfg)
+            peak = t.peak_bytes
+            reserved = None
+            if self.device == "cuda":
+                cap = max(4 * peak, 1 << 30)
+                reserved = t.reserved_peak(self.policy, capacity=cap)
+            self._measured[cfg] = (peak, reserved, (reserved if reserved is not None
+                                                    else peak) <= self.capacity)
+        return self._measured[cfg]
+
+    def fits(self, cfg: Config) -> bool:
+        return self.measure(cfg)[2]
+
+    def seconds_per_sample(self, cfg: Config) -> float:
+        """Estimated compute time per sample (see the module's docstring)."""
+        t = self.trace(cfg)
+        phases = step_seconds(t)
+        fwd_bwd = phases.get("forward", 0.0) + phases.get("backward", 0.0)
+        opt = phases.get("optimizer", 0.0)
+        samples = cfg.batch * cfg.accumulation
+        # The optimizer step runs once per accumulated batch.
+        return (cfg.accumulation * fwd_bwd + opt) / samples
+
+    def relative_compute(self, cfg: Config) -> float:
+        base = self.seconds_per_sample(self.base)
+        return self.seconds_per_sample(cfg) / base if base else 1.0
+
+    def row(self, technique: str, name: str, cfg: Config, code: str, notes: str = "",
+            **extra) -> Row:
+        peak, reserved, fits = self.measure(cfg)
+        t = self.trace(cfg)
+        return Row(technique, name, cfg, peak, reserved, fits, self.relative_compute(cfg),
+                   code=code, notes=notes, breakdown=t.breakdown(), extra=extra, trace=t)
+
+    # -- searches ------------------------------------------------------------------------
+    def largest_batch(self, cfg: Config, limit: int = 1 << 20) -> int:
+        """The largest batch at which ``cfg`` fits (0: not even 1).
+
+        Activation memory is affine in the batch for most models: interpolate the fit
+        metric between the nearest traced batch sizes, trace there, and keep a bracket
+        (largest that fits, smallest that does not) until they are adjacent, so the
+        answer is confirmed by traces at the answer and at answer + 1, whatever the shape
+        of the curve."""
+        def metric(b: int) -> int:
+            peak, reserved, _ = self.measure(replace(cfg, batch=b))
+            return reserved if reserved is not None else peak
+
+        seen: dict[int, int] = {}
+        lo, hi = 0, None
+        b = max(1, cfg.batch)
+        for _ in range(64):
+            seen[b] = metric(b)
+            if seen[b] <= self.capacity:
+                lo = max(lo, b)
+            else:
+                hi = b if hi is None else min(hi, b)
+            if hi is not None and hi - lo <= 1:
+                return lo
+            if lo >= limit:
+                return lo
+            b = self._next_batch(seen, lo, hi, limit)
+        return lo
+
+    def _next_batch(self, seen: dict, lo: int, hi: int | None, limit: int) -> int:
+        pts = sorted(seen.items())
+        below = [p for p in pts if p[0] <= lo] or pts[:1]
+        above = [p for p in pts if hi is not None and p[0] >= hi]
+        if above:
+            (b1, m1), (b2, m2) = below[-1], above[0]
+        elif len(pts) >= 2:
+            (b1, m1), (b2, m2) = pts[-2], pts[-1]
+        else:
+            (b1, m1), (b2, m2) = pts[0], pts[0]
+        guess = None
+        if b2 != b1 and m2 != m1:
+            slope = (m2 - m1) / (b2 - b1)
+            if slope > 0:
+                guess = int(math.floor(b1 + (self.capacity - m1) / slope))
+        if guess is None:  # one point, or memory flat in the batch: double / halve
+            guess = lo * 2 if hi is None else (lo + hi) // 2
+        if hi is None:
+            guess = min(max(guess, lo + 1), limit, max(2 * lo, lo + 1) * 8)
+        else:
+            guess = min(max(guess, lo + 1), hi - 1)
+        if guess in seen:  # the interpolation repeats itself: bisect
+            guess = (lo + hi) // 2 if hi is not None else lo * 2
+            if guess in seen or guess <= lo:
+                guess = lo + 1
+        return max(1, guess)
+
+    def checkpoint_plan(self, cfg: Config):
+        """A checkpoint plan for ``cfg`` that fits the capacity, or the error saying why
+        none does. For CUDA the plan's budget (live bytes) is lowered until the traced
+        reserved peak of the checkpointed step fits."""
+        from ..planner.checkpoint.plan import BudgetTooSmallError
+
+        t = self.trace(cfg)
+        inputs = self.inputs_for(cfg.batch)
+        budget = self.capacity
+        peak, reserved, _ = self.measure(cfg)
+        if reserved is not None:
+            budget = self.capacity - max(0, reserved - peak)
+        plan = None
+        for _ in range(4):
+            if budget <= 0:
+                break
+            try:
+                plan = t.plan(budget, model=self.model, inputs=inputs)
+            except BudgetTooSmallError as e:
+                return None, e
+            ck = replace(cfg, checkpoint=tuple(sorted(plan.policies.items())))
+            if not plan.policies or self.fits(ck):
+                return plan, None
+            p2, r2, _ = self.measure(ck)
+            budget -= (r2 if r2 is not None else p2) - self.capacity + (1 << 20)
+        return plan, PlannerError(
+            f"the checkpoint plan for {format_bytes(self.capacity)} does not fit once the "
+            f"allocator's fragmentation is counted")
+
+    @property
+    def base(self) -> Config:
+        return Config(batch=self.batch0 or 0)
+
+
+def step_seconds(t) -> dict[str, float]:
+    """Estimated seconds of each phase of a traced step on a nominal device."""
+    from ..planner.checkpoint.cost import DeviceSpeed
+
+    speed = DeviceSpeed()
+    half = ("bfloat16", "float16")
+    out: dict[str, float] = {}
+    for op in t.graph.ops:
+        if op.flops:
+            rate = speed.flops_per_s
+            if t.device == "cuda" and op.dtype not in half:
+                rate /= 2  # fp32 matmuls on TF32 tensor cores
+            s = op.flops / rate
+        else:
+            s = 2.0 * op.written / speed.bytes_per_s
+        out[op.phase] = out.get(op.phase, 0.0) + s
+    return out
+
+
+# -----------------------------------------------------------------------------------------
+# Code snippets
+# -----------------------------------------------------------------------------------------
+
+def _code_autocast(dtype: str) -> str:
+    if dtype == "fp16":
+        return ("scaler = torch.amp.GradScaler('cuda')\n"
+                "with torch.autocast('cuda', dtype=torch.float16):\n"
+                "    loss = loss_fn(model(*inputs))\n"
+                "scaler.scale(loss).backward()\n"
+                "scaler.step(optimizer); scaler.update(); optimizer.zero_grad(set_to_none=True)")
+    return ("with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+            "    loss = loss_fn(model(*inputs))\n"
+            "loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)")
+
+
+def _code_accumulation(micro: int, steps: int) -> str:
+    return (f"# batches of {micro} samples, {steps} per optimizer step\n"
+            f"for i, inputs in enumerate(loader):\n"
+            f"    loss = loss_fn(model(*inputs)) / {steps}\n"
+            f"    loss.backward()\n"
+            f"    if (i + 1) % {steps} == 0:\n"
+            f"        optimizer.step(); optimizer.zero_grad(set_to_none=True)")
+
+
+def _code_checkpoint(capacity: int, cfg: Config) -> str:
+    kwargs = ""
+    if cfg.autocast:
+        kwargs = f", autocast=torch.{_AUTOCAST[cfg.autocast]}"
+    lines = [f"plan = pymemplan.plan(model, inputs, budget={str(format_bytes(capacity))!r}, "
+             f"loss_fn=loss_fn, optimizer=type(optimizer){kwargs})",
+             "plan.apply(model)   # checkpoints, in place:"]
+    lines += [f"#   {m}: {p}" for m, p in cfg.checkpoint[:8]]
+    if len(cfg.checkpoint) > 8:
+        lines.append(f"#   ... and {len(cfg.checkpoint) - 8} more")
+    return "\n".join(lines)
+
+
+def combined_code(cfg: Config, base: Config, capacity: int, world_size: int) -> str:
+    parts = []
+    if cfg.sharding:
+        from .sharding import code_snippet
+
+        parts.append(code_snippet(cfg.sharding, world_size))
+    if cfg.optimizer:
+        parts.append(f"optimizer = {_OPTIMIZER_CODE[cfg.optimizer]}")
+    if cfg.weights:
+        from .weights import code_snippet as weights_code
+
+        parts.append(weights_code(cfg.weights))
+    if cfg.checkpoint:
+        parts.append(_code_checkpoint(capacity, cfg))
+    if cfg.accumulation > 1:
+        parts.append(_code_accumulation(cfg.batch, cfg.accumulation))
+    elif cfg.batch != base.batch:
+        parts.append(f"loader = DataLoader(dataset, batch_size={cfg.batch})")
+    if cfg.autocast:
+        parts.append(_code_autocast(cfg.autocast))
+    return "\n".join(parts) if parts else "# nothing to change"
+
+
+# -----------------------------------------------------------------------------------------
+# advise
+# -----------------------------------------------------------------------------------------
+
+def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int | None = None,
+           world_size: int = 1, device: str = "cuda", loss_fn=None, policy: str = "torch",
+           techniques=None, make_inputs: Callable | None = None,
+           progress: Callable | None = None, **trace_kwargs) -> Advice:
+    """Quantify, on this model, every memory technique: each row is a traced configuration.
+
+    - ``capacity``: the GPU's memory ("80GiB", "24GB" or bytes). On CUDA a configuration
+      fits when the memory the allocator would *reserve* (``policy``: "torch" for
+      PyTorch's native allocator, or one of pymemplan's) is at most the capacity; on CPU,
+      when its peak of live bytes is.
+    - ``optimizer``: as for :func:`pymemplan.trace` (default ``torch.optim.AdamW``).
+    - ``target_batch``: the effective batch to reach by gradient accumulation (default:
+      the batch of ``inputs``).
+    - ``world_size``: GPUs to shard over (DDP, ZeRO-1/2/3, FSDP rows) when above 1.
+    - ``techniques``: a subset of ``TECHNIQUES`` (default all).
+    - ``make_inputs``: ``batch -> inputs``, when the batch size is not dim 0 of the inputs.
+    - other keyword arguments go to :func:`pymemplan.trace` (``autocast`` excepted).
+    """
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        cap = parse_bytes(capacity)
+    except (TypeError, ValueError) as e:
+        raise PlannerError(f"capacity={capacity!r} is not a size: {e}") from None
+    if cap <= 0:
+        raise PlannerError(f"capacity must be positive, got {capacity!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise PlannerError(f"world_size must be a whole number of GPUs, at least 1; got "
+                           f"{world_size!r}")
+    chosen = TECHNIQUES if techniques is None else tuple(techniques)
+    unknown = [x for x in chosen if x not in TECHNIQUES]
+    if unknown:
+        raise PlannerError(f"unknown technique(s) {', '.join(map(repr, unknown))}; choose "
+                           f"from {', '.join(TECHNIQUES)}")
+    if device not in ("cuda", "cpu"):
+        raise PlannerError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if "autocast" in trace_kwargs:
+        raise PlannerError("advise() compares autocast itself (the precision rows); trace "
+                           "the step without passing autocast=")
+    if target_batch is not None and (not isinstance(target_batch, int) or target_batch < 1):
+        raise PlannerError(f"target_batch must be a positive integer, got {target_batch!r}")
+    if optimizer is None:
+        optimizer = torch.optim.AdamW
+    if device == "cpu":
+        policy = None
+    adv = _Advisor(model, inputs, capacity=cap, optimizer=optimizer, loss_fn=loss_fn,
+                   device=device, policy=policy, make_inputs=make_inputs,
+                   world_size=world_size, trace_kwargs=trace_kwargs, progress=progress)
+    if adv.batch0 is None:
+        chosen = tuple(x for x in chosen if x not in ("batch", "accumulation"))
+    _check_parameters_fit(model, cap, world_size)
+
+    base = adv.base
+    rows = [adv.row("baseline", "as it is", base, "# nothing to change")]
+    from .techniques import ALL
+
+    for name in TECHNIQUES:
+        if name in chosen:
+            rows.extend(ALL[name](adv, target_batch))
+    best = _best(adv, rows, target_batch, chosen)
+    if best is not None:
+        rows.append(best)
+    return Advice(rows, capacity=cap, device=device, policy=policy,
+                  model=type(model).__name__, baseline=rows[0], best=best,
+                  seconds=time.perf_counter() - t0, world_size=world_size,
+                  batch=adv.batch0 or 0)
+
+
+def _check_parameters_fit(model, capacity: int, world_size: int) -> None:
+    """Parameters alone above the capacity: no single-GPU technique but smaller weights
+    can help; unless sharding over ``world_size`` could, say which configuration might."""
+    seen = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    if total <= capacity or total <= capacity * world_size:
+        return
+    ranks = math.ceil(total / capacity)
+    # Sharded training holds parameters, gradients and Adam's two states: 4x the weights.
+    ranks_train = math.ceil(4 * total / capacity)
+    raise PlannerError(
+        f"the parameters alone take {format_bytes(total)}, more than the capacity of "
+        f"{format_bytes(capacity)}" + (f" x {world_size} GPUs" if world_size > 1 else "")
+        + f": no single-GPU technique can fit this model. The smallest configurations that "
+        f"could: FSDP / ZeRO-3 over at least {ranks} GPUs for the parameters alone, about "
+        f"{ranks_train} with gradients and Adam state (pass world_size={ranks_train}), or "
+        f"frozen int8 / 4-bit weights for fine-tuning with adapters.")
+
+
+def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
+    """The cheapest combination that fits (by estimated compute, then fewest changes).
+    The unchanged step wins when it fits: changing nothing is free. Optimizer and weight
+    changes alter training itself, so they are tried only when nothing else fits."""
+    base = adv.base
+    if rows[0].fits:
+        return replace(rows[0], technique="best", name="as it is: it fits")
+    cands: list[Config] = []
+    precisions = [None] + (["bf16"] if "precision" in chosen else [])
+    for ac in precisions:
+        cands.append(replace(base, autocast=ac))
+    found = [c for c in cands if adv.fits(c)]
+    if not found and "checkpoint" in chosen:
+        for ac in precisions:
+            plan, err = adv.checkpoint_plan(replace(base, autocast=ac))
+            if plan is not None and err is None:
+                c = replace(base, autocast=ac, checkpoint=tuple(sorted(plan.policies.items())))
+                if adv.fits(c):
+                    found.append(c)
+    if not found and "accumulation" in chosen and adv.batch0:
+        target = target_batch or adv.batch0
+        for ac in precisions:
+            c = _accumulation_config(adv, replace(base, autocast=ac), target)
+            if c is not None:
+                found.append(c)
+    if not found and "sharding" in chosen and adv.world_size > 1:
+        for strategy in ("zero1", "zero2", "zero3"):
+            for ac in precisions:
+                c = replace(base, autocast=ac, sharding=strategy)
+                try:
+                    if adv.fits(c):
+                        found.append(c)
+                except PlannerError:
+                    continue
+            if found:
+                break
+    if not found and "optimizer" in chosen:
+        for opt in ("adafactor", "sgd-momentum"):
+            if _optimizer_factory(opt) is None:
+                continue
+            for ac in precisions:
+                c = replace(base, autocast=ac, optimizer=opt)
+                if adv.fits(c):
+                    found.append(c)
+    if not found:
+        return None
+    c = min(found, key=lambda c: (round(adv.relative_compute(c), 3), len(c.changes(base))))
+    code = combined_code(c, base, adv.capacity, adv.world_size)
+    return adv.row("best", ", ".join(c.changes(base)), c, code,
+                   notes="the cheapest combination found that fits")
+
+
+def _accumulation_config(adv: _Advisor, cfg: Config, target: int) -> Config | None:
+    """Micro-batch and steps reaching ``target`` samples per optimizer step: the largest
+    micro-batch that fits with gradients already present, preferring divisors of
+    ``target`` so every micro-batch is the same size."""
+    largest = adv.largest_batch(replace(cfg, accumulation=2))
+    if largest <= 0:
+        return None
+    largest = min(largest, target)
+    micro = next((d for d in range(largest, 0, -1) if target % d == 0), largest)
+    if micro < largest and micro * 2 < largest:
+        micro = largest  # a divisor far below what fits wastes too much speed
+    steps = math.ceil(target / micro)
+    if steps == 1:
+        c = replace(cfg, batch=micro)
+        return c if adv.fits(c) else None
+    c = replace(cfg, batch=micro, accumulation=steps)
+    return c if adv.fits(c) else None

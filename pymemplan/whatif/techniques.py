@@ -1,0 +1,191 @@
+"""The rows of :func:`pymemplan.advise`, one function per technique.
+
+Each function takes the advisor (which traces and caches configurations) and returns
+rows; every number in a row comes from a traced step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..planner.graph import ACTIVATION, CATEGORIES, GRADIENT, OPTIMIZER_STATE
+from ..planner.errors import PlannerError
+from ..units import format_bytes
+from .advise import (_OPTIMIZER_CODE, Config, _accumulation_config, _Advisor, _code_autocast,
+                     _optimizer_factory, combined_code)
+
+
+def _diff(a: dict, b: dict) -> str:
+    """What changed at the peak, category by category, largest change first."""
+    parts = []
+    for c in sorted(CATEGORIES, key=lambda c: -abs(b.get(c, 0) - a.get(c, 0))):
+        d = b.get(c, 0) - a.get(c, 0)
+        if abs(d) >= max(1 << 20, 0.005 * max(sum(a.values()), 1)):
+            parts.append(f"{c.replace('_', ' ')} {'+' if d > 0 else '-'}{format_bytes(abs(d))}")
+    return ", ".join(parts) or "no category changes by more than 0.5%"
+
+
+def _state_bytes(t) -> int:
+    return sum(x.size for x in t.graph.tensors if x.category == OPTIMIZER_STATE)
+
+
+def _grad_bytes(t) -> int:
+    return sum(x.size for x in t.graph.tensors if x.category == GRADIENT)
+
+
+def precision(adv: _Advisor, target_batch) -> list:
+    base = adv.trace(adv.base)
+    rows = []
+    for ac, label in (("bf16", "autocast bf16"), ("fp16", "autocast fp16 + GradScaler")):
+        cfg = replace(adv.base, autocast=ac)
+        t = adv.trace(cfg)
+        saved = sum(x.size for x in t.graph.tensors if x.category == ACTIVATION)
+        saved0 = sum(x.size for x in base.graph.tensors if x.category == ACTIVATION)
+        notes = (f"at the peak: {_diff(base.breakdown(), t.breakdown())}. Activations saved "
+                 f"for backward: {format_bytes(saved0)} -> {format_bytes(saved)}; fp32 "
+                 f"parameters, gradients and optimizer state do not shrink")
+        if ac == "fp16":
+            notes += "; the grad scaler's scale and inf-check tensors are traced too"
+        rows.append(adv.row("precision", label, cfg, _code_autocast(ac), notes))
+    return rows
+
+
+def batch(adv: _Advisor, target_batch) -> list:
+    rows = []
+    for ac in (None, "bf16"):
+        cfg = replace(adv.base, autocast=ac)
+        b = adv.largest_batch(cfg)
+        label = "largest batch" + (f" (autocast {ac})" if ac else "")
+        if b == 0:
+            r = adv.row("batch", label, replace(cfg, batch=1), "",
+                        notes="not even a batch of 1 fits")
+            r.fits = False
+        else:
+            c = replace(cfg, batch=b)
+            code = f"loader = DataLoader(dataset, batch_size={b})"
+            if ac:
+                code += "\n" + _code_autocast(ac)
+            above = adv.measure(replace(cfg, batch=b + 1))
+            r = adv.row("batch", label, c, code,
+                        notes=f"batch {b + 1} needs {format_bytes(above[1] or above[0])}",
+                        largest_batch=b)
+        rows.append(r)
+    return rows
+
+
+def accumulation(adv: _Advisor, target_batch) -> list:
+    target = target_batch or adv.batch0
+    rows = []
+    for ac in (None, "bf16"):
+        cfg = replace(adv.base, autocast=ac)
+        c = _accumulation_config(adv, cfg, target)
+        label = f"accumulate to {target}" + (f" (autocast {ac})" if ac else "")
+        if c is None:
+            r = adv.row("accumulation", label, replace(cfg, batch=1, accumulation=max(target, 2)),
+                        "", notes="not even micro-batches of 1 fit")
+            r.fits = False
+        else:
+            t = adv.trace(c)
+            code = combined_code(c, adv.base, adv.capacity, adv.world_size)
+            notes = (f"micro-batch {c.batch} x {c.accumulation} steps; the accumulated "
+                     f"gradients ({format_bytes(_grad_bytes(t))}) stay allocated through "
+                     f"every micro-step") if c.accumulation > 1 else \
+                f"the whole batch of {target} fits: no accumulation needed"
+            r = adv.row("accumulation", label, c, code, notes=notes,
+                        micro_batch=c.batch, steps=c.accumulation,
+                        accumulated_gradient_bytes=_grad_bytes(t))
+        rows.append(r)
+    return rows
+
+
+def checkpoint(adv: _Advisor, target_batch) -> list:
+    rows = []
+    for ac in (None, "bf16"):
+        cfg = replace(adv.base, autocast=ac)
+        label = "checkpointing" + (f" (autocast {ac})" if ac else "")
+        plan, err = adv.checkpoint_plan(cfg)
+        if plan is None:
+            r = adv.row("checkpoint", label, cfg, "", notes=str(err))
+            r.fits = False
+            r.extra["least_peak_bytes"] = getattr(err, "least_peak_bytes", None)
+            rows.append(r)
+            continue
+        c = replace(cfg, checkpoint=tuple(sorted(plan.policies.items())))
+        code = combined_code(c, adv.base, adv.capacity, adv.world_size)
+        notes = (f"{len(plan.policies)} module(s) checkpointed, est. recompute "
+                 f"{plan.recompute_cost['fraction_of_forward']:.1%} of the forward "
+                 f"({plan.solver}, {'optimal' if plan.optimal else 'not proved optimal'})")
+        if not plan.policies:
+            notes = "fits without checkpointing"
+        r = adv.row("checkpoint", label, c, code, notes=notes,
+                    recompute_fraction_of_forward=plan.recompute_cost["fraction_of_forward"])
+        if err is not None:
+            r.fits = False
+            r.notes += f"; {err}"
+        rows.append(r)
+    return rows
+
+
+def optimizer(adv: _Advisor, target_batch) -> list:
+    rows = []
+    for name in ("sgd-momentum", "adam", "adamw", "adafactor", "adamw-8bit"):
+        if _optimizer_factory(name) is None:
+            continue  # not provided by the installed packages
+        cfg = replace(adv.base, optimizer=name)
+        t = adv.trace(cfg)
+        rows.append(adv.row("optimizer", f"optimizer {name}", cfg,
+                            f"optimizer = {_OPTIMIZER_CODE[name]}",
+                            notes=f"optimizer state {format_bytes(_state_bytes(t))}; "
+                                  f"changes the training itself",
+                            state_bytes=_state_bytes(t)))
+    return rows
+
+
+def weights(adv: _Advisor, target_batch) -> list:
+    from .weights import code_snippet, describe
+
+    rows = []
+    for spec in ("int8", "nf4", "prune-0.3"):
+        cfg = replace(adv.base, weights=spec)
+        try:
+            rows.append(adv.row("weights", describe(spec), cfg, code_snippet(spec),
+                                notes=_weights_note(spec)))
+        except PlannerError as e:
+            r = adv.row("weights", describe(spec), adv.base, "", notes=str(e))
+            r.fits = None
+            rows.append(r)
+    return rows
+
+
+def _weights_note(spec: str) -> str:
+    if spec.startswith("prune"):
+        return ("estimate on the traced graph: the pruned layers' weights, their gradients "
+                "and optimizer state, and the tensors their ops make shrink by the pruned "
+                "fraction. Unstructured sparsity saves nothing in dense storage (a "
+                "torch.nn.utils.prune mask even adds a copy); only removing channels does")
+    return ("Linear weights frozen and stored quantized (fine-tuning with adapters, whose "
+            "own small parameters are not counted); each matmul dequantizes its weight to "
+            "the compute dtype while it runs")
+
+
+def sharding(adv: _Advisor, target_batch) -> list:
+    if adv.world_size <= 1:
+        return []
+    from .sharding import STRATEGIES, code_snippet, communication_bytes
+
+    rows = []
+    for strategy in STRATEGIES:
+        cfg = replace(adv.base, sharding=strategy)
+        comm = communication_bytes(adv.model, strategy, adv.world_size)
+        rows.append(adv.row("sharding", f"{strategy} x {adv.world_size}", cfg,
+                            code_snippet(strategy, adv.world_size),
+                            notes=f"per rank; sends {format_bytes(sum(comm.values()))} per "
+                                  f"step per rank", communication_bytes=comm))
+    return rows
+
+
+ALL = {"precision": precision, "batch": batch, "accumulation": accumulation,
+       "checkpoint": checkpoint, "optimizer": optimizer, "weights": weights,
+       "sharding": sharding}
+
+__all__ = ["ALL", "Config"]

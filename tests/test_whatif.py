@@ -1,0 +1,198 @@
+"""pymemplan.advise and `pymemplan plan`: every row is a traced configuration."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from html.parser import HTMLParser
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import pymemplan  # noqa: E402
+from pymemplan.planner.errors import PlannerError  # noqa: E402
+from pymemplan.planner.measure import measure_step  # noqa: E402
+from pymemplan.whatif.advise import inputs_at_batch  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self, width=256, hidden=1024, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+            for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+B = 512  # activations dominate the peak: the techniques that shrink them matter
+
+
+def loss_fn(out):
+    return out.float().pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _advise(net, capacity, **kw):
+    x = torch.randn(B, 256)
+    return pymemplan.advise(net, (x,), capacity=capacity, loss_fn=loss_fn, device="cpu",
+                            optimizer=torch.optim.Adam, **kw)
+
+
+@pytest.fixture(scope="module")
+def tight(net):
+    """A capacity the step as it is does not fit, but bf16 or checkpointing does."""
+    x = torch.randn(B, 256)
+    full = pymemplan.trace(net, (x,), loss_fn=loss_fn, device="cpu",
+                           optimizer=torch.optim.Adam)
+    return _advise(net, int(full.peak_bytes * 0.85)), full
+
+
+def test_rows_are_traced_configurations(net, tight):
+    a, full = tight
+    assert a.baseline.peak_bytes == full.peak_bytes and a.baseline.fits is False
+    bf16 = a.row("autocast bf16")
+    t = pymemplan.trace(net, (torch.randn(B, 256),), loss_fn=loss_fn, device="cpu",
+                        optimizer=torch.optim.Adam, autocast=torch.bfloat16)
+    assert bf16.peak_bytes == t.peak_bytes
+    sgd = a.row("optimizer sgd-momentum")
+    # Momentum is one buffer a parameter, Adam two (plus Adam's 4-byte step counters).
+    assert abs(2 * sgd.extra["state_bytes"] - a.row("optimizer adam").extra["state_bytes"]) \
+        < 4 * len(list(net.parameters())) + 1
+    assert {r.technique for r in a} >= {"baseline", "precision", "batch", "accumulation",
+                                        "checkpoint", "optimizer", "weights", "best"}
+    assert all(r.fits == (r.peak_bytes <= a.capacity_bytes) for r in a if r.peak_bytes)
+
+
+def test_largest_batch_is_confirmed_at_the_answer_and_one_above(net, tight):
+    a, _ = tight
+    row = a.row("largest batch")
+    b = row.extra["largest_batch"]
+    x = torch.randn(B, 256)
+
+    def peak(n):
+        return pymemplan.trace(net, inputs_at_batch((x,), B, n), loss_fn=loss_fn,
+                               device="cpu", optimizer=torch.optim.Adam).peak_bytes
+    assert 1 <= b < B
+    assert peak(b) <= a.capacity_bytes < peak(b + 1)
+
+
+def test_accumulation_reaches_the_target_batch_with_gradients_present(net, tight):
+    a, _ = tight
+    row = a.row(f"accumulate to {B}")
+    micro, steps = row.extra["micro_batch"], row.extra["steps"]
+    assert micro * steps >= B and steps > 1 and row.fits
+    assert row.extra["accumulated_gradient_bytes"] == sum(
+        p.numel() * 4 for p in net.parameters())
+    # The row is the last micro-step: gradients present, optimizer step included.
+    assert row.trace.graph.meta["grads_present"] is True
+
+
+def test_checkpoint_row_fits_by_tracing_the_checkpointed_model(net, tight):
+    a, full = tight
+    row = a.row("checkpointing")
+    assert row.fits and row.config.checkpoint
+    assert row.peak_bytes < full.peak_bytes
+    assert row.relative_compute > 1.0  # recompute is traced, so it costs
+    assert all(not hasattr(m, "_pymemplan_checkpoint") for m in net.modules())
+
+
+def test_best_is_the_cheapest_row_that_fits(tight):
+    a, _ = tight
+    assert a.best is not None and a.best.fits
+    fitting = [r for r in a if r.fits and r.technique in ("precision", "checkpoint")]
+    assert a.best.relative_compute <= min(r.relative_compute for r in fitting) + 1e-3
+    assert a.best.code and "autocast" in a.best.code or "plan" in a.best.code
+
+
+def test_predictions_match_real_cpu_steps(net, tight):
+    a, _ = tight
+    x = torch.randn(B, 256)
+    cases = [(a.row("autocast bf16"), dict(autocast=torch.bfloat16)),
+             (a.row(f"accumulate to {B}"), dict(grads_present=True)),
+             (a.row("optimizer sgd-momentum"), {})]
+    for row, kw in cases:
+        c = row.config
+        opt = (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9)) if c.optimizer else \
+            torch.optim.Adam
+        inputs = inputs_at_batch((x,), B, c.batch)
+        inputs = tuple(torch.randn(i.shape) for i in inputs)
+        m = measure_step(net, inputs, loss_fn=loss_fn, optimizer=opt, **kw)
+        net.zero_grad(set_to_none=True)
+        assert m.peak_bytes == row.peak_bytes, row.name
+
+
+def test_capacity_below_the_parameters_names_what_could_fit(net):
+    with pytest.raises(PlannerError, match=r"FSDP / ZeRO-3 over at least \d+ GPUs"):
+        _advise(net, "1MiB")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(techniques=["precision", "magic"]), "unknown technique.*'magic'"),
+    (dict(world_size=0), "world_size must be"),
+    (dict(capacity="lots"), "not a size"),
+    (dict(target_batch=-3), "target_batch must be"),
+])
+def test_bad_input_is_refused_clearly(net, kw, match):
+    kw.setdefault("capacity", "1GiB")
+    cap = kw.pop("capacity")
+    with pytest.raises(PlannerError, match=match):
+        _advise(net, cap, **kw)
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.imgs, self.ids, self.external = [], set(), []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag == "img":
+            self.imgs.append(a["src"])
+        for k in ("src", "href"):
+            if k in a and re.match(r"https?:|//", a[k]):
+                self.external.append(a[k])
+        if tag in ("script", "link"):
+            self.external.append(tag)
+
+
+def test_cli_json_and_self_contained_html(tmp_path, capsys):
+    from pymemplan.cli import main
+
+    page = tmp_path / "plan.html"
+    rc = main(["plan", "mlp", "--batch", "64", "--capacity", "2GiB", "--device", "cpu", "--no-probe",
+               "--techniques", "precision,checkpoint", "--json", "--html", str(page)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity_bytes"] == 2 * 2**30 and doc["rows"][0]["technique"] == "baseline"
+    p = _Page()
+    p.feed(page.read_text())
+    assert {"timeline", "breakdown", "advice", "code", "verdict"} <= p.ids
+    assert not p.external  # opens with no server and no network
+    assert len(p.imgs) == 2
+    for src in p.imgs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_errors_are_one_line(capsys):
+    from pymemplan.cli import main
+
+    assert main(["plan", "mlp", "--capacity", "1KiB", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pymemplan plan:") and "FSDP" in err
+    assert main(["plan", "mlp", "--world-size", "0"]) == 2
