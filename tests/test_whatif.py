@@ -112,9 +112,13 @@ def test_checkpoint_row_fits_by_tracing_the_checkpointed_model(net, tight):
 def test_best_is_the_cheapest_row_that_fits(tight):
     a, _ = tight
     assert a.best is not None and a.best.fits
-    fitting = [r for r in a if r.fits and r.technique in ("precision", "checkpoint")]
+    fitting = [r for r in a if r.fits and r.technique in ("precision", "checkpoint",
+                                                          "accumulation")]
     assert a.best.relative_compute <= min(r.relative_compute for r in fitting) + 1e-3
-    assert a.best.code and "autocast" in a.best.code or "plan" in a.best.code
+    c, code = a.best.config, a.best.code
+    assert c.autocast is None or "torch.autocast" in code
+    assert not c.checkpoint or "plan.apply(model)" in code
+    assert c.accumulation == 1 or f"% {c.accumulation} == 0" in code
 
 
 def test_predictions_match_real_cpu_steps(net, tight):

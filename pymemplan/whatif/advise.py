@@ -255,6 +255,15 @@ def inputs_at_batch(inputs, old: int, new: int):
 _AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
 
+def checkpoint_key(plan) -> tuple:
+    """A plan's (module, policy) pairs in model order ("h.2" before "h.10")."""
+    import re
+
+    def natural(path: str):
+        return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", path)]
+    return tuple(sorted(plan.policies.items(), key=lambda kv: natural(kv[0])))
+
+
 class _Advisor:
     def __init__(self, model, inputs, *, capacity: int, optimizer, loss_fn, device: str,
                  policy: str | None, make_inputs, world_size: int, trace_kwargs: dict,
@@ -446,18 +455,20 @@ class _Advisor:
         if reserved is not None:
             budget = self.capacity - max(0, reserved - peak)
         plan = None
-        for _ in range(4):
+        for attempt in range(6):
             if budget <= 0:
                 break
             try:
                 plan = t.plan(budget, model=self.model, inputs=inputs)
             except BudgetTooSmallError as e:
                 return None, e
-            ck = replace(cfg, checkpoint=tuple(sorted(plan.policies.items())))
+            ck = replace(cfg, checkpoint=checkpoint_key(plan))
             if not plan.policies or self.fits(ck):
                 return plan, None
             p2, r2, _ = self.measure(ck)
-            budget -= (r2 if r2 is not None else p2) - self.capacity + (1 << 20)
+            # Fragmentation grows with what is freed and re-allocated: step further each try.
+            over = (r2 if r2 is not None else p2) - self.capacity
+            budget -= int(over * (1 + attempt / 2)) + (1 << 20)
         return plan, PlannerError(
             f"the checkpoint plan for {format_bytes(self.capacity)} does not fit once the "
             f"allocator's fragmentation is counted")
@@ -644,55 +655,41 @@ def _check_parameters_fit(model, capacity: int, world_size: int) -> None:
 
 
 def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
-    """The cheapest combination that fits (by estimated compute, then fewest changes).
-    The unchanged step wins when it fits: changing nothing is free. Optimizer and weight
-    changes alter training itself, so they are tried only when nothing else fits."""
+    """The cheapest configuration that fits (by estimated compute, then fewest changes).
+
+    The unchanged step wins when it fits: changing nothing is free. Otherwise the
+    candidates are the rows that keep the training the same (precision, accumulation to
+    the same effective batch, checkpointing, sharding) and their combinations with
+    checkpointing; rows that change the training itself (another optimizer, frozen or
+    pruned weights) or its batch are the last resort."""
     base = adv.base
     if rows[0].fits:
         return replace(rows[0], technique="best", name="as it is: it fits")
-    cands: list[Config] = []
-    precisions = [None] + (["bf16"] if "precision" in chosen else [])
-    for ac in precisions:
-        cands.append(replace(base, autocast=ac))
-    found = [c for c in cands if adv.fits(c)]
-    if not found and "checkpoint" in chosen:
-        for ac in precisions:
-            plan, err = adv.checkpoint_plan(replace(base, autocast=ac))
-            if plan is not None and err is None:
-                c = replace(base, autocast=ac, checkpoint=tuple(sorted(plan.policies.items())))
-                if adv.fits(c):
-                    found.append(c)
-    if not found and "accumulation" in chosen and adv.batch0:
+    same = [r.config for r in rows if r.fits and r.technique in
+            ("precision", "accumulation", "checkpoint", "sharding")]
+    if not same and "checkpoint" in chosen and "accumulation" in chosen and adv.batch0:
+        # Micro-batches and checkpointing together: plan the micro-step that keeps the
+        # batch largest.
         target = target_batch or adv.batch0
-        for ac in precisions:
-            c = _accumulation_config(adv, replace(base, autocast=ac), target)
-            if c is not None:
-                found.append(c)
-    if not found and "sharding" in chosen and adv.world_size > 1:
-        for strategy in ("zero1", "zero2", "zero3"):
-            for ac in precisions:
-                c = replace(base, autocast=ac, sharding=strategy)
-                try:
-                    if adv.fits(c):
-                        found.append(c)
-                except PlannerError:
+        for ac in ([None, "bf16"] if "precision" in chosen else [None]):
+            for micro in sorted({d for d in range(1, target + 1) if target % d == 0},
+                                reverse=True)[:4]:
+                cfg = replace(base, autocast=ac, batch=micro, accumulation=target // micro)
+                if cfg.accumulation == 1:
                     continue
-            if found:
-                break
-    if not found and "optimizer" in chosen:
-        for opt in ("adafactor", "sgd-momentum"):
-            if _optimizer_factory(opt) is None:
-                continue
-            for ac in precisions:
-                c = replace(base, autocast=ac, optimizer=opt)
-                if adv.fits(c):
-                    found.append(c)
+                plan, err = adv.checkpoint_plan(cfg)
+                if plan is not None and err is None:
+                    same.append(replace(cfg, checkpoint=checkpoint_key(plan)))
+                    break
+    found = same or [r.config for r in rows if r.fits and r.technique in
+                     ("optimizer", "weights")]
     if not found:
         return None
     c = min(found, key=lambda c: (round(adv.relative_compute(c), 3), len(c.changes(base))))
     code = combined_code(c, base, adv.capacity, adv.world_size)
-    return adv.row("best", ", ".join(c.changes(base)), c, code,
-                   notes="the cheapest combination found that fits")
+    notes = "the cheapest configuration found that fits" + (
+        "" if same else "; it changes the training itself: nothing that keeps it fits")
+    return adv.row("best", ", ".join(c.changes(base)), c, code, notes=notes)
 
 
 def _accumulation_config(adv: _Advisor, cfg: Config, target: int) -> Config | None:

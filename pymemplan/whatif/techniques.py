@@ -12,7 +12,7 @@ from ..planner.graph import ACTIVATION, CATEGORIES, GRADIENT, OPTIMIZER_STATE
 from ..planner.errors import PlannerError
 from ..units import format_bytes
 from .advise import (_OPTIMIZER_CODE, Config, _accumulation_config, _Advisor, _code_autocast,
-                     _optimizer_factory, combined_code)
+                     _optimizer_factory, checkpoint_key, combined_code)
 
 
 def _diff(a: dict, b: dict) -> str:
@@ -110,7 +110,7 @@ def checkpoint(adv: _Advisor, target_batch) -> list:
             r.extra["least_peak_bytes"] = getattr(err, "least_peak_bytes", None)
             rows.append(r)
             continue
-        c = replace(cfg, checkpoint=tuple(sorted(plan.policies.items())))
+        c = replace(cfg, checkpoint=checkpoint_key(plan))
         code = combined_code(c, adv.base, adv.capacity, adv.world_size)
         notes = (f"{len(plan.policies)} module(s) checkpointed, est. recompute "
                  f"{plan.recompute_cost['fraction_of_forward']:.1%} of the forward "
