@@ -280,6 +280,7 @@ class _Advisor:
         self.world_size = world_size
         self.trace_kwargs = trace_kwargs
         self.progress = progress
+        self.chosen: tuple = TECHNIQUES
         self.batch0 = detect_batch(self.inputs)
         self._traces: dict[Config, Any] = {}
         self._measured: dict[Config, tuple] = {}
@@ -387,21 +388,24 @@ class _Advisor:
                    code=code, notes=notes, breakdown=t.breakdown(), extra=extra, trace=t)
 
     # -- searches ------------------------------------------------------------------------
-    def largest_batch(self, cfg: Config, limit: int = 1 << 20) -> int:
+    def largest_batch(self, cfg: Config, limit: int = 1 << 20, metric=None) -> int:
         """The largest batch at which ``cfg`` fits (0: not even 1).
 
         Activation memory is affine in the batch for most models: interpolate the fit
         metric between the nearest traced batch sizes, trace there, and keep a bracket
         (largest that fits, smallest that does not) until they are adjacent, so the
         answer is confirmed by traces at the answer and at answer + 1, whatever the shape
-        of the curve."""
-        def metric(b: int) -> int:
-            peak, reserved, _ = self.measure(replace(cfg, batch=b))
-            return reserved if reserved is not None else peak
+        of the curve. ``metric(batch)``: what must stay within the capacity (default: the
+        reserved peak on CUDA, the live peak on CPU)."""
+        if metric is None:
+            def metric(b: int) -> int:
+                peak, reserved, _ = self.measure(replace(cfg, batch=b))
+                return reserved if reserved is not None else peak
 
         seen: dict[int, int] = {}
         lo, hi = 0, None
         b = max(1, cfg.batch)
+        width = None
         for _ in range(64):
             seen[b] = metric(b)
             if seen[b] <= self.capacity:
@@ -413,6 +417,13 @@ class _Advisor:
             if lo >= limit:
                 return lo
             b = self._next_batch(seen, lo, hi, limit)
+            if hi is not None:
+                # Safeguard: where the curve is not affine (a checkpoint plan changing
+                # with the batch), interpolation can creep one batch at a time; when a
+                # step did not halve the bracket, bisect instead.
+                if width is not None and hi - lo > width // 2 and hi - lo > 2:
+                    b = (lo + hi) // 2
+                width = hi - lo
         return lo
 
     def _next_batch(self, seen: dict, lo: int, hi: int | None, limit: int) -> int:
@@ -472,6 +483,17 @@ class _Advisor:
         return plan, PlannerError(
             f"the checkpoint plan for {format_bytes(self.capacity)} does not fit once the "
             f"allocator's fragmentation is counted")
+
+    def checkpointed(self, cfg: Config) -> tuple[Config | None, int]:
+        """``cfg`` with the checkpoint plan that fits the capacity (None if none does), and
+        its fit metric: the checkpointed step's, or the least achievable peak."""
+        plan, err = self.checkpoint_plan(cfg)
+        if plan is not None:
+            ck = replace(cfg, checkpoint=checkpoint_key(plan))
+            peak, reserved, _ = self.measure(ck)
+            return (ck if err is None else None), reserved if reserved is not None else peak
+        least = getattr(err, "least_peak_bytes", None)
+        return None, max(least or 0, self.capacity + 1)
 
     @property
     def base(self) -> Config:
@@ -613,6 +635,7 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
                    world_size=world_size, trace_kwargs=trace_kwargs, progress=progress)
     if adv.batch0 is None:
         chosen = tuple(x for x in chosen if x not in ("batch", "accumulation"))
+    adv.chosen = chosen
     _check_parameters_fit(model, cap, world_size)
 
     base = adv.base

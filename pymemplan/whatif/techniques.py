@@ -52,24 +52,34 @@ def precision(adv: _Advisor, target_batch) -> list:
 
 def batch(adv: _Advisor, target_batch) -> list:
     rows = []
-    for ac in (None, "bf16"):
+    variants = [(None, False), ("bf16", False)]
+    if "checkpoint" in adv.chosen:
+        variants.append(("bf16", True))
+    for ac, ckpt in variants:
         cfg = replace(adv.base, autocast=ac)
-        b = adv.largest_batch(cfg)
-        label = "largest batch" + (f" (autocast {ac})" if ac else "")
+        label = "largest batch" + (f" (autocast {ac}" if ac else "") + \
+            (" + checkpointing)" if ckpt else (")" if ac else ""))
+        if ckpt:
+            b = adv.largest_batch(cfg, metric=lambda n: adv.checkpointed(
+                replace(cfg, batch=n))[1])
+        else:
+            b = adv.largest_batch(cfg)
         if b == 0:
             r = adv.row("batch", label, replace(cfg, batch=1), "",
                         notes="not even a batch of 1 fits")
             r.fits = False
+            rows.append(r)
+            continue
+        c = replace(cfg, batch=b)
+        if ckpt:
+            c = adv.checkpointed(c)[0]
         else:
-            c = replace(cfg, batch=b)
-            code = f"loader = DataLoader(dataset, batch_size={b})"
-            if ac:
-                code += "\n" + _code_autocast(ac)
-            above = adv.measure(replace(cfg, batch=b + 1))
-            r = adv.row("batch", label, c, code,
-                        notes=f"batch {b + 1} needs {format_bytes(above[1] or above[0])}",
-                        largest_batch=b)
-        rows.append(r)
+            p1, r1, _ = adv.measure(replace(cfg, batch=b + 1))
+            above = r1 if r1 is not None else p1
+        code = combined_code(c, adv.base, adv.capacity, adv.world_size)
+        notes = (f"batch {b + 1} does not fit, even checkpointed" if ckpt else
+                 f"batch {b + 1} needs {format_bytes(above)}")
+        rows.append(adv.row("batch", label, c, code, largest_batch=b, notes=notes))
     return rows
 
 
