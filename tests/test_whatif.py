@@ -208,3 +208,15 @@ def test_cli_errors_are_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("pymemplan plan:") and "FSDP" in err
     assert main(["plan", "mlp", "--world-size", "0"]) == 2
+
+
+def test_sharding_rows_are_per_rank_traces(net):
+    a = _advise(net, "1GiB", world_size=2, techniques=("sharding",))
+    rows = {r.config.sharding: r for r in a.rows_for("sharding")}
+    assert set(rows) == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+    # ZeRO-3 shards parameters, gradients and Adam state over the two ranks.
+    assert rows["zero3"].breakdown["optimizer_state"] * 2 <= \
+        a.baseline.breakdown["optimizer_state"] + 4096
+    assert rows["zero3"].peak_bytes < a.baseline.peak_bytes < rows["ddp"].peak_bytes
+    assert "torchrun --nproc_per_node=2" in rows["fsdp"].code
+    assert rows["ddp"].extra["communication_bytes"]

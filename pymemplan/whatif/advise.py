@@ -557,12 +557,13 @@ def _code_checkpoint(capacity: int, cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def combined_code(cfg: Config, base: Config, capacity: int, world_size: int) -> str:
+def combined_code(cfg: Config, base: Config, capacity: int, world_size: int, model=None,
+                  device: str = "cuda") -> str:
     parts = []
     if cfg.sharding:
         from .sharding import code_snippet
 
-        parts.append(code_snippet(cfg.sharding, world_size))
+        parts.append(code_snippet(cfg.sharding, world_size, model, device=device))
     if cfg.optimizer:
         parts.append(f"optimizer = {_OPTIMIZER_CODE[cfg.optimizer]}")
     if cfg.weights:
@@ -704,12 +705,19 @@ def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
                 if plan is not None and err is None:
                     same.append(replace(cfg, checkpoint=checkpoint_key(plan)))
                     break
+    if not same and "sharding" in chosen and adv.world_size > 1 and "precision" in chosen:
+        from .sharding import STRATEGIES
+
+        for strategy in STRATEGIES:
+            cfg = replace(base, autocast="bf16", sharding=strategy)
+            if adv.fits(cfg):
+                same.append(cfg)
     found = same or [r.config for r in rows if r.fits and r.technique in
                      ("optimizer", "weights")]
     if not found:
         return None
     c = min(found, key=lambda c: (round(adv.relative_compute(c), 3), len(c.changes(base))))
-    code = combined_code(c, base, adv.capacity, adv.world_size)
+    code = combined_code(c, base, adv.capacity, adv.world_size, adv.model, adv.device)
     notes = "the cheapest configuration found that fits" + (
         "" if same else "; it changes the training itself: nothing that keeps it fits")
     return adv.row("best", ", ".join(c.changes(base)), c, code, notes=notes)

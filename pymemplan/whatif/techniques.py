@@ -76,7 +76,7 @@ def batch(adv: _Advisor, target_batch) -> list:
         else:
             p1, r1, _ = adv.measure(replace(cfg, batch=b + 1))
             above = r1 if r1 is not None else p1
-        code = combined_code(c, adv.base, adv.capacity, adv.world_size)
+        code = combined_code(c, adv.base, adv.capacity, adv.world_size, adv.model, adv.device)
         notes = (f"batch {b + 1} does not fit, even checkpointed" if ckpt else
                  f"batch {b + 1} needs {format_bytes(above)}")
         rows.append(adv.row("batch", label, c, code, largest_batch=b, notes=notes))
@@ -96,7 +96,7 @@ def accumulation(adv: _Advisor, target_batch) -> list:
             r.fits = False
         else:
             t = adv.trace(c)
-            code = combined_code(c, adv.base, adv.capacity, adv.world_size)
+            code = combined_code(c, adv.base, adv.capacity, adv.world_size, adv.model, adv.device)
             notes = (f"micro-batch {c.batch} x {c.accumulation} steps; the accumulated "
                      f"gradients ({format_bytes(_grad_bytes(t))}) stay allocated through "
                      f"every micro-step") if c.accumulation > 1 else \
@@ -121,7 +121,7 @@ def checkpoint(adv: _Advisor, target_batch) -> list:
             rows.append(r)
             continue
         c = replace(cfg, checkpoint=checkpoint_key(plan))
-        code = combined_code(c, adv.base, adv.capacity, adv.world_size)
+        code = combined_code(c, adv.base, adv.capacity, adv.world_size, adv.model, adv.device)
         notes = (f"{len(plan.policies)} module(s) checkpointed, est. recompute "
                  f"{plan.recompute_cost['fraction_of_forward']:.1%} of the forward "
                  f"({plan.solver}, {'optimal' if plan.optimal else 'not proved optimal'})")
@@ -188,7 +188,8 @@ def sharding(adv: _Advisor, target_batch) -> list:
         cfg = replace(adv.base, sharding=strategy)
         comm = communication_bytes(adv.model, strategy, adv.world_size)
         rows.append(adv.row("sharding", f"{strategy} x {adv.world_size}", cfg,
-                            code_snippet(strategy, adv.world_size),
+                            code_snippet(strategy, adv.world_size, adv.model,
+                                         device=adv.device),
                             notes=f"per rank; sends {format_bytes(sum(comm.values()))} per "
                                   f"step per rank", communication_bytes=comm))
     return rows
