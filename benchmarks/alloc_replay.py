@@ -165,11 +165,33 @@ def oom_capacity(trace, policy, lo, hi, granularity=2 << 20):
     return lo
 
 
+def plan_figures(trace):
+    """pymemplan-planned's own figures on a trace: requests served from a plan (plan_hits) and
+    by the pool (fallbacks), plans made and armed, the packing of the last plan."""
+    from pymemplan import _core
+
+    dev = _core.SimulatedDevice(80 << 30)
+    alloc = _core.Allocator(dev, "pymemplan-planned", "")
+    live = {}
+    for a, p, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+                           trace.stream.tolist()):
+        if a == 0:
+            live[p] = alloc.malloc(n, st)
+        elif a == 1:
+            alloc.free(live.pop(p))
+    keys = ("plan_hits", "fallbacks", "slot_busy", "divergences", "plans_built", "arms",
+            "arm_refusals", "refinements", "plan_bound_bytes", "plan_arena_bytes", "plan_ratio",
+            "pack_seconds")
+    return {k: v for k, v in alloc.plan_stats().items() if k in keys}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rerecord", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="workload names")
     ap.add_argument("--capacity", default="80GiB")
+    ap.add_argument("--timing-runs", type=int, default=3,
+                    help="replays per trace and policy; ns/event is the best of them")
     args = ap.parse_args()
 
     from pymemplan import _core
@@ -196,6 +218,21 @@ def main() -> int:
             r["ooms_at_torch_oom_capacity"] = None if torch_cap is None else _core.replay(
                 trace.action, trace.ptr, trace.size, trace.stream, r["policy"], "", torch_cap,
                 2 << 20)["ooms"]
+        for r in results:
+            # Timing on a shared machine is noisy: the best of --timing-runs runs. Planning (the
+            # one-off cost of computing plans) is reported apart from serving requests.
+            r["planning_seconds"] = 0.0
+            r["ns_per_event_serving"] = r["ns_per_event"]
+            extra = max(args.timing_runs - 1, 1 if r["policy"] == "pymemplan-planned" else 0)
+            for _ in range(extra):
+                t = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, r["policy"],
+                                 "", 80 << 30, 2 << 20)
+                r["ns_per_event"] = min(r["ns_per_event"], t["ns_per_event"])
+                r["planning_seconds"] = t["planning_seconds"]
+                serving = t["ns_per_event"] - t["planning_seconds"] * 1e9 / t["events"]
+                r["ns_per_event_serving"] = min(r["ns_per_event_serving"], serving)
+            if r["policy"] == "pymemplan-planned":
+                r["plan"] = plan_figures(trace)
         rows.extend(results)
     by = {(r["trace"], r["policy"]): r for r in rows}
 
@@ -216,9 +253,13 @@ def main() -> int:
                 v["target_met"] = (v["at_most_torch"] and v["runs_where_torch_fails"]
                                    and o["reserved_over_live"] <= 1.03)
             else:
+                # The steady-state target applies from the first request a plan served; where
+                # no plan ever served (no repeated iteration, or a plan that would not have
+                # beaten the pool), it is reported as not reached rather than as met.
+                v["steady_state_reached"] = steady is not None
+                v["steady_target_met"] = steady is not None and steady <= 1.01
                 v["target_met"] = (v["at_most_torch"] and v["runs_where_torch_fails"]
-                                   and o["reserved_over_live"] <= 1.03
-                                   and (steady is None or steady <= 1.01))
+                                   and o["reserved_over_live"] <= 1.03 and v["steady_target_met"])
             verdicts.append(v)
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
@@ -256,6 +297,18 @@ def main() -> int:
                                  if by[(n, p)]["oom_capacity_bytes"] else "–" for p in cap]
                 + [f"{by[(n, p)]['device_allocs']:,}" for p in cap]
                 + [f"{by[(n, p)]['ns_per_event']:.0f}" for p in cap]))
+    if "pymemplan-planned" in policies:
+        print("\npymemplan-planned: requests served from a plan and by the pool, packing of the "
+              "last plan (arena / bound), one-off planning time, serving cost:\n")
+        print(table(["trace", "plan hits", "fallbacks", "plans made", "armed", "arena/bound",
+                     "planning ms", "ns/event serving"],
+                    lambda n: [n, f"{by[(n, 'pymemplan-planned')]['plan']['plan_hits']:,.0f}",
+                               f"{by[(n, 'pymemplan-planned')]['plan']['fallbacks']:,.0f}",
+                               f"{by[(n, 'pymemplan-planned')]['plan']['plans_built']:.0f}",
+                               f"{by[(n, 'pymemplan-planned')]['plan']['arms']:.0f}",
+                               ratio(by[(n, 'pymemplan-planned')]['plan']['plan_ratio'] or None),
+                               f"{by[(n, 'pymemplan-planned')]['planning_seconds'] * 1e3:.1f}",
+                               f"{by[(n, 'pymemplan-planned')]['ns_per_event_serving']:.0f}"]))
     for v in verdicts:
         if not v["target_met"]:
             print(f"target missed: {v['policy']} on {v['trace']}: reserved/live "

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from pymemplan import _core
 
+MiB = 1 << 20
 GiB = 1 << 30
 CONFIGS = [
-    # (policy, config, capacity, limit, streams, manual events)
+    # (policy, config, capacity, limit, streams, manual events[, periodic])
     ("pymemplan", "", 4 * GiB, 0, 3, True),
     ("pymemplan", "max_split_size_mb:64", 16 * GiB, 3 * GiB, 4, True),
     ("pymemplan", "release_before_grow:False", 4 * GiB, 0, 2, False),
@@ -28,6 +29,12 @@ CONFIGS = [
     ("torch", "max_split_size_mb:64,roundup_power2_divisions:4", 16 * GiB, 3 * GiB, 4, True),
     ("nocache", "", 4 * GiB, 0, 3, True),
     ("pymemplan-planned", "", 4 * GiB, 0, 3, True),
+    # Periodic: a repeated iteration program (with divergences and alternating shapes), so that
+    # plans are made and serve requests (plan_hits), not only the fallback pool.
+    ("pymemplan-planned", "", 4 * GiB, 0, 3, True, True),
+    ("pymemplan-planned", "min_period:8,match_window:8,max_plans:2", 16 * GiB, 3 * GiB, 4, False, True),
+    ("pymemplan-planned", "vmm:False", 4 * GiB, 0, 2, True, True),
+    ("pymemplan-planned", "", 16 * GiB, 96 * MiB, 3, True, True),  # under memory pressure
 ]
 
 
@@ -38,18 +45,23 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fuzz_allocator.json"))
     args = ap.parse_args()
     runs = []
-    for i, (policy, config, capacity, limit, streams, manual) in enumerate(CONFIGS):
+    for i, (policy, config, capacity, limit, streams, manual, *rest) in enumerate(CONFIGS):
+        periodic = bool(rest and rest[0])
         t0 = time.perf_counter()
         report = _core.fuzz(args.ops, seed=args.seed + i, policy=policy, config=config,
                             capacity=capacity, limit=limit, streams=streams,
-                            manual_events=manual, full_check_every=1000)
+                            manual_events=manual, full_check_every=1000, periodic=periodic)
         seconds = time.perf_counter() - t0
         run = {"policy": policy, "config": config, "capacity": capacity, "limit": limit,
-               "streams": streams, "manual_events": manual, "seed": args.seed + i,
-               "seconds": round(seconds, 2), **report}
+               "streams": streams, "manual_events": manual, "periodic": periodic,
+               "seed": args.seed + i, "seconds": round(seconds, 2), **report}
+        if periodic and policy == "pymemplan-planned" and report["plan_hits"] == 0:
+            raise SystemExit(f"{policy} {config}: no request was served from a plan")
         runs.append(run)
-        print(f"{policy:10s} {config:50s} {report['ops']:>11,} ops  {report['ooms']:>8,} OOMs  "
-              f"{report['full_checks']:>6,} full checks  {seconds:6.1f} s  ok", flush=True)
+        hits = f"  {report['plan_hits']:>9,} plan hits" if policy == "pymemplan-planned" else ""
+        print(f"{policy:17s} {config:48s} {'periodic ' if periodic else '':9s}"
+              f"{report['ops']:>11,} ops  {report['ooms']:>8,} OOMs  "
+              f"{report['full_checks']:>6,} full checks{hits}  {seconds:6.1f} s  ok", flush=True)
     total = sum(r["ops"] for r in runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

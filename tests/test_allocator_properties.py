@@ -20,6 +20,9 @@ POLICIES = [
     ("pymemplan-vmm", "vmm_segment_mb:64,release_before_grow:False"),
     ("nocache", ""),
     ("pymemplan-planned", ""),
+    # Short periods, so that the repeated `iteration` rule below gets plans that serve.
+    ("pymemplan-planned", "min_period:4,match_window:4"),
+    ("pymemplan-planned", "min_period:4,match_window:4,vmm:False"),
 ]
 STREAMS = st.sampled_from([0, 1, 2])
 SIZES = st.one_of(
@@ -46,6 +49,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.live: dict[int, tuple[int, int, set]] = {}  # ptr -> (size, stream, record_stream uses)
         # (lo, hi, owner stream, record_stream uses, device record count at the free)
         self.freed = []
+        # A small training-like iteration, replayed by the `iteration` rule: ("a", key, size,
+        # stream) / ("f", key); one block (key "carry") lives into the next iteration.
+        self.program = [("f", "carry")]
+        for i, size in enumerate([3 * MiB, 700 * 1024, 5 * MiB + 512, 40_000, 9 * MiB, 2 * MiB]):
+            self.program.append(("a", i, size, 1 if i == 3 else 0))
+            if i % 2:
+                self.program.append(("f", i - 1))
+        self.program += [("f", i) for i in (5, 3, 1)] + [("a", "carry", 6 * MiB, 0), ("f", 4)]
+        self.held: dict = {}  # program key -> ptr
 
     def _done_after(self, stream, t):
         # Work queued on `stream` before the free is done once an event recorded after the
@@ -54,6 +66,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(target=ptrs, size=SIZES, stream=STREAMS)
     def malloc(self, size, stream):
+        return self._malloc(size, stream)
+
+    def _malloc(self, size, stream):
         try:
             p = self.alloc.malloc(size, stream)
         except _core.OutOfMemoryError as e:
@@ -81,11 +96,30 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, p):
         if p is None or p not in self.live:
             return
+        self._free(p)
+
+    def _free(self, p):
+        for key in [k for k, q in self.held.items() if q == p]:
+            del self.held[key]
         size, stream, uses = self.live.pop(p)
         t = self.device.record_count
         self.alloc.free(p)
         rounded = self.alloc.round_size(size)
         self.freed.append((p, p + rounded, stream, uses, t))
+
+    @rule(times=st.integers(1, 4))
+    def iteration(self, times):
+        """The same allocation sequence again: plan detection, packing and serving run."""
+        for _ in range(times):
+            for op in self.program:
+                if op[0] == "a":
+                    _, key, size, stream = op
+                    if key not in self.held:
+                        p = self._malloc(size, stream)
+                        if p is not None:
+                            self.held[key] = p
+                elif op[1] in self.held:
+                    self._free(self.held.pop(op[1]))
 
     @rule(p=ptrs, stream=STREAMS)
     def record_stream(self, p, stream):

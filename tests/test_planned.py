@@ -111,15 +111,20 @@ def run_prologue(r):
 
 def test_config_keys_are_validated_and_listed():
     d = _core.SimulatedDevice(1 << 30)
-    a = _core.Allocator(d, POLICY, "min_period:64,max_plans:3,max_split_size_mb:64")
+    a = _core.Allocator(d, POLICY, "min_period:64,max_plans:3,plan_slack:5,max_split_size_mb:64")
     assert a.policy == POLICY
-    assert "min_period:64" in a.config and "max_plans:3" in a.config
+    assert "min_period:64" in a.config and "max_plans:3" in a.config and "plan_slack:5" in a.config
     assert "max_split_size_mb:64" in a.config  # passed through to the pool
+    assert "vmm:True" in a.config              # the pool is pymemplan-vmm's
+    assert "vmm:False" in _core.parse_config(POLICY, "vmm:False")  # the classic variant
     assert "min_period:64" in _core.parse_config(POLICY, "min_period:64")
     for bad in ("max_plans:0", "min_period:x", "min_period:-3", "resync_window:", "nope:1",
-                "min_period:100,max_period:50", "max_split_size_mb:3", "garbage"):
+                "min_period:100,max_period:50", "max_split_size_mb:3", "garbage",
+                "plan_slack:1001", "search_rounds:-1", "vmm:maybe", "vmm_segment_mb:1"):
         with pytest.raises(_core.AllocatorError) as e:
             _core.Allocator(d, POLICY, bad)
+        with pytest.raises(_core.AllocatorError):
+            _core.parse_config(POLICY, bad)
         if bad.startswith("nope") or bad == "garbage":
             assert "min_period" in str(e.value) and "max_split_size_mb" in str(e.value)
 
@@ -147,6 +152,8 @@ def test_plan_stats_only_for_the_planned_policy():
     d = _core.SimulatedDevice(1 << 30)
     with pytest.raises(_core.AllocatorError):
         _core.Allocator(d, "pymemplan").plan_stats()
+    with pytest.raises(_core.AllocatorError):
+        _core.Allocator(d, "pymemplan-vmm").plan_blocks()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,33 +219,149 @@ def test_packing_ratio_on_random_intervals_is_reported_and_small():
     assert 1.0 <= r["ratio"] < 1.25
 
 
+def _laminar(rng, lo, hi, depth, out):
+    """Nested or disjoint lifetimes inside [lo, hi): a stack of activations, recursively."""
+    t = lo
+    while t < hi - 1 and depth < 6:
+        end = rng.randint(t + 1, hi)
+        out.append((t, end - t, rng.randint(1, 64) * 512))
+        _laminar(rng, t + 1, end - 1, depth + 1, out) if end - t > 2 else None
+        t = end + rng.randint(0, 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_packing_reaches_the_bound_on_nested_lifetimes(seed):
+    """The proven case (packing.hpp): on a laminar family the skyline packs at the bound."""
+    rng = random.Random(seed)
+    blocks = []
+    _laminar(rng, 0, 400, 0, blocks)
+    start, life, size = (list(x) for x in zip(*blocks))
+    r = _core.pack_blocks(start, life, size, 1000, 0)
+    _check_packing(start, life, size, 1000, r)
+    assert r["arena"] == r["bound"], (r["arena"], r["bound"])
+
+
+def test_packing_gives_up_and_stops_at_the_granule():
+    rng = random.Random(9)
+    n, period = 200, 500
+    start = [rng.randrange(period) for _ in range(n)]
+    life = [rng.randint(1, 100) for _ in range(n)]
+    size = [rng.randint(1, 200) * 512 for _ in range(n)]
+    full = _core.pack_blocks(start, life, size, period, 8)
+    assert full["runs"] >= 1
+    # An arena within one granule of the bound is as good as the bound: fewer runs.
+    coarse = _core.pack_blocks(start, life, size, period, 8, granule=1 << 30)
+    assert coarse["runs"] == 1 and coarse["arena"] >= coarse["bound"]
+    # Nothing fits under the bound: no offsets, arena past the give-up level.
+    none = _core.pack_blocks(start, life, size, period, 8, 1, full["bound"] - 512)
+    assert none["offsets"] == [] and none["arena"] == full["bound"] - 512 + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Detection and serving
+
+def test_before_any_plan_it_is_pymemplan_vmm():
+    """Until a plan serves, requests go to the pymemplan-vmm pool unchanged: same addresses,
+    same reserved memory, same device calls."""
+    rng = random.Random(3)
+    ops, live = [], []
+    for i in range(400):  # no repeated iteration
+        if live and rng.random() < 0.45:
+            ops.append(("f", live.pop(rng.randrange(len(live)))))
+        else:
+            ops.append(("a", i, rng.randint(1, 40 * MiB), rng.choice([0, 0, 1])))
+            live.append(i)
+    runs = [Runner(policy=p) for p in (POLICY, "pymemplan-vmm")]
+    for r in runs:
+        r.run(ops)
+    assert runs[0].plan()["plan_hits"] == 0
+    assert runs[0].ptr == runs[1].ptr
+    keys = ("reserved_bytes.all.current", "reserved_bytes.all.peak", "num_device_alloc",
+            "num_device_free", "allocated_bytes.all.current")
+    assert {k: runs[0].stats()[k] for k in keys} == {k: runs[1].stats()[k] for k in keys}
+
 
 def test_finds_the_iteration_after_a_prologue_and_serves_it_within_1_percent():
     r = Runner()
     run_prologue(r)
-    # What the pool strands among the parameters (the free tail of their last 48 MiB segment):
-    # the plan has no say over memory allocated before it exists.
-    stranded = r.stats()["reserved_bytes.all.current"] - r.live_bytes
     it = make_iteration(1, scale=10)
     for i in range(4):
         r.run(it, i)
     ps = r.plan()
     assert ps["first_planned_request"] >= len(prologue())  # nothing planned in the prologue
-    assert ps["plans"] >= 1 and ps["plan_ratio"] >= 1.0
-    # Steady state: the last iterations come from the plan.
+    assert ps["plans"] >= 1 and ps["plan_ratio"] >= 1.0 and ps["arms"] >= 1
+    # Steady state: the iterations come from the plan, and reserved memory is the live pool
+    # blocks plus the arena.
     r.reset_peaks()
-    planned_before = ps["planned_requests"]
-    for i in range(4, 7):
+    before = ps
+    for i in range(4, 8):
         r.run(it, i, check_every=37)
     ps = r.plan()
     per_it = sum(1 for op in it if op[0] == "a")
-    assert ps["planned_requests"] - planned_before >= 3 * per_it * 0.95
+    hits = ps["plan_hits"] - before["plan_hits"]
+    fallbacks = ps["fallbacks"] - before["fallbacks"]
+    assert hits >= 4 * per_it * 0.95, (hits, fallbacks)
+    assert fallbacks <= 4 * per_it * 0.05
+    assert ps["slot_busy"] == before["slot_busy"] and ps["divergences"] == before["divergences"]
     s = r.stats()
-    assert s["reserved_bytes.all.peak"] <= 1.01 * r.peak_live + stranded, (
-        s["reserved_bytes.all.peak"] / r.peak_live, stranded)
+    assert s["reserved_bytes.all.peak"] <= 1.01 * r.peak_live, s["reserved_bytes.all.peak"] / r.peak_live
     check_invariants(r.alloc, r.device, r.live)
+
+
+def test_steady_state_makes_no_driver_calls():
+    r = Runner()
+    run_prologue(r)
+    it = make_iteration(2, scale=5)
+    for i in range(5):
+        r.run(it, i)
+    calls = (r.stats()["num_device_alloc"], r.stats()["num_device_free"])
+    hits = r.plan()["plan_hits"]
+    for i in range(5, 9):
+        r.run(it, i)
+    assert r.plan()["plan_hits"] > hits
+    assert (r.stats()["num_device_alloc"], r.stats()["num_device_free"]) == calls
+
+
+def test_divergence_falls_back_without_overlap_then_replans():
+    r = Runner()
+    run_prologue(r)
+    it = make_iteration(1)
+    for i in range(4):
+        r.run(it, i)
+    assert r.plan()["armed"] == 1
+    d0 = r.plan()
+    # Mid-iteration, a different shape (e.g. another sequence length): every request is checked
+    # against the plan, falls back to the pool, and no two live blocks ever overlap (Runner
+    # checks each new block against all live ones).
+    half = it[: len(it) // 2]
+    r.run(half, 4, check_every=5)
+    other = make_iteration(7, layers=12, scale=0.7)
+    for i in range(5, 9):
+        r.run(other, i, check_every=13)
+    ps = r.plan()
+    assert ps["divergences"] > d0["divergences"] and ps["fallbacks"] > d0["fallbacks"]
+    for key in [k for k in r.ptr if k[0] == 4]:  # the half iteration's blocks
+        p = r.ptr.pop(key)
+        r.alloc.free(p)
+        r.live_bytes -= r.live.pop(p)
+        del r.ranges[p]
+    # The new shape gets a plan of its own, then the old one comes back (several plans).
+    assert ps["plans"] >= 2 and ps["plan_hits"] > d0["plan_hits"]
+    hits = ps["plan_hits"]
+    for i in range(9, 12):
+        r.run(it, i, check_every=29)
+    assert r.plan()["plan_hits"] > hits
+    check_invariants(r.alloc, r.device, r.live)
+    # Everything returns to the device, pages included.
+    for key in list(r.ptr):
+        r.alloc.free(r.ptr.pop(key))
+    r.live.clear()
+    r.alloc.empty_cache()
+    s = r.stats()
+    assert s["reserved_bytes.all.current"] == 0 and r.device.used == 0
+    assert r.device.mapped_pages == 0 and r.device.live_pages == 0
+    assert s["allocated_bytes.all.current"] == 0 and s["active_bytes.all.current"] == 0
 
 
 def test_alternating_shapes_keep_several_plans():
@@ -251,44 +374,38 @@ def test_alternating_shapes_keep_several_plans():
     ps = r.plan()
     assert ps["plans"] >= 2
     assert ps["plan_switches"] >= 1
-    planned = ps["planned_requests"]
+    hits = ps["plan_hits"]
     tail = "ABBABA"
     for i, c in enumerate(tail, start=len(seq)):
         r.run(shapes[c], i, check_every=41)
     n_allocs = sum(1 for c in tail for op in shapes[c] if op[0] == "a")
-    assert r.plan()["planned_requests"] - planned >= 0.8 * n_allocs
+    assert r.plan()["plan_hits"] - hits >= 0.8 * n_allocs
     check_invariants(r.alloc, r.device, r.live)
 
 
-def test_divergence_falls_back_then_replans():
-    r = Runner()
-    run_prologue(r)
-    it = make_iteration(1)
-    for i in range(4):
-        r.run(it, i)
-    d0 = r.plan()["divergences"]
-    # A new shape (e.g. another sequence length) for a few iterations, then back.
-    other = make_iteration(7, layers=12, scale=0.7)
-    for i in range(4, 8):
-        r.run(other, i, check_every=13)
-    ps = r.plan()
-    assert ps["divergences"] > d0
-    planned = ps["planned_requests"]
-    for i in range(8, 11):
-        r.run(it, i, check_every=29)
-    assert r.plan()["planned_requests"] > planned
-    check_invariants(r.alloc, r.device, r.live)
-    # Everything returns to the device.
-    for key in list(r.ptr):
-        r.alloc.free(r.ptr.pop(key))
-    r.live.clear()
-    r.alloc.empty_cache()
-    s = r.stats()
-    assert s["reserved_bytes.all.current"] == 0 and r.device.used == 0
-    assert s["allocated_bytes.all.current"] == 0 and s["active_bytes.all.current"] == 0
+def test_shrinking_workload_gives_memory_back():
+    """After a bigger shape, a smaller one that repeats: once its plan arms, the pool's unused
+    pages go back, so reserved memory follows the smaller iteration (pymemplan-vmm would keep
+    the pages of the bigger one)."""
+    big, small = make_iteration(5, scale=6), make_iteration(6, scale=2)
+    results = {}
+    for policy in (POLICY, "pymemplan-vmm"):
+        r = Runner(policy=policy)
+        run_prologue(r)
+        for i in range(3):
+            r.run(big, i)
+        for i in range(3, 6):  # its plan is made, then arms at its cut (and trims)
+            r.run(small, i)
+        r.reset_peaks()
+        for i in range(6, 9):
+            r.run(small, i, check_every=31)
+        results[policy] = r.stats()["reserved_bytes.all.peak"] / r.peak_live
+        check_invariants(r.alloc, r.device, r.live)
+    assert results[POLICY] <= 1.01, results
+    assert results["pymemplan-vmm"] > 1.5, results
 
 
-def test_the_arena_shows_as_a_segment_and_counts_as_reserved():
+def test_the_arena_is_a_virtual_segment_of_the_pool():
     r = Runner()
     run_prologue(r)
     it = make_iteration(3)
@@ -297,13 +414,27 @@ def test_the_arena_shows_as_a_segment_and_counts_as_reserved():
     # Mid-iteration: some planned blocks are live.
     r.run(it[: len(it) // 2], 99)
     check_invariants(r.alloc, r.device, r.live)
-    assert r.plan()["arena_bytes"] > 0
+    ps = r.plan()
+    assert ps["arena_bytes"] > 0 and ps["arena_mapped_bytes"] > 0
+    # Pages are mapped only where the plan placed blocks: at most the packed arena, rounded up.
+    assert ps["arena_mapped_bytes"] <= ps["plan_arena_bytes"] + 2 * MiB
+    arena = [s for s in r.alloc.snapshot()["segments"]
+             if s["total_size"] == ps["arena_bytes"] and s["mapped_size"] == ps["arena_mapped_bytes"]]
+    assert arena and arena[0]["is_expandable"]
+    assert any(b["state"] == "active_allocated" for b in arena[0]["blocks"])
+
+
+def test_classic_variant_without_virtual_memory():
+    r = Runner(config="vmm:False")
+    run_prologue(r)
+    it = make_iteration(4, scale=3)
+    for i in range(6):
+        r.run(it, i, check_every=23)
+    ps = r.plan()
+    assert ps["plan_hits"] > 0
     snap = r.alloc.snapshot()["segments"]
-    # The arena is a segment of its own; the plan may also use holes the pool lent it (those
-    # show inside the pool's segments). The plan never needs more than its plain packing.
-    arena = [s for s in snap if s["total_size"] == r.plan()["arena_bytes"]]
-    assert arena and arena[0]["total_size"] <= r.plan()["plan_arena_bytes"] + 2 * MiB
-    assert any(b["state"] == "active_allocated" for s in arena for b in s["blocks"])
+    assert snap and not any(s["is_expandable"] for s in snap)
+    check_invariants(r.alloc, r.device, r.live)
 
 
 def test_memory_limit_counts_the_arena():
@@ -360,7 +491,7 @@ def test_cross_stream_reuse_of_planned_slots_waits_for_events():
                 freed.append((p, p + size, stream, uses.pop(p, set()), t))
             if rng.random() < 0.3:
                 r.device.complete_events(rng.choice([0, 1]))
-    assert r.plan()["planned_requests"] > 0
+    assert r.plan()["plan_hits"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,18 +581,83 @@ def test_threads_share_one_allocator():
 
 
 def test_recorded_benchmark_traces_steady_state():
-    """After the first request a plan served (the iteration's plan: shorter plans are not armed),
-    peak reserved over peak live. Measured: gpt2 1.0107, gpt2_6l 1.0106, mobilenet 1.0119,
-    bert_base 1.0204, resnet50 1.0247; the 1% target is not met yet (see planned.hpp)."""
+    """From the first request a plan served, peak reserved over peak live. Measured on the
+    shipped GPT-2 trace (6 layers, sequence 512): 1.0074 (pymemplan-vmm 1.0042; both within 1%)."""
     from pymemplan.traces import read_trace, replay
 
     # A recorded GPT-2 (6 layers, sequence 512) training run ships in tests/data; the
-    # benchmark's other traces are checked when they have been recorded.
+    # benchmark's BERT trace is checked when it has been recorded.
     paths = [ROOT / "tests" / "data" / "gpt2_6l_s512.csv.gz"]
     paths += [p for p in [ROOT / "benchmarks" / "traces" / "bert_base.csv.gz"] if p.exists()]
     for path in paths:
-        res = {r.policy: r for r in replay(read_trace(path), [POLICY, "pymemplan"])}
+        res = {r.policy: r for r in replay(read_trace(path), [POLICY, "pymemplan-vmm", "torch"])}
         planned = res[POLICY]
         assert planned.steady_reserved_over_live is not None, path.name
-        assert planned.steady_reserved_over_live < 1.025, (path.name, planned.steady_reserved_over_live)
-        assert planned.peak_reserved_bytes <= res["pymemplan"].peak_reserved_bytes
+        assert planned.steady_reserved_over_live <= 1.01, (path.name, planned.steady_reserved_over_live)
+        assert planned.reserved_over_live <= 1.03
+        assert planned.peak_reserved_bytes <= res["torch"].peak_reserved_bytes
+
+
+def test_plan_blocks_are_exported_for_the_packer():
+    r = Runner()
+    it = make_iteration(8)
+    for i in range(4):
+        r.run(it, i)
+    b = r.alloc.plan_blocks()
+    assert b["period"] > 0 and len(b["start"]) == len(b["life"]) == len(b["size"]) > 0
+    res = _core.pack_blocks(b["start"], b["life"], b["size"], b["period"])
+    _check_packing(b["start"], b["life"], b["size"], b["period"], res)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real CUDA code path (CudaDevice over the fake driver, virtual memory included)
+
+def test_planned_policy_over_the_fake_driver_with_faults():
+    """Iterations through the plugin: every block is filled with its own byte and checked before
+    it is freed (two live blocks sharing memory would corrupt each other), the plan arms, then
+    page creation fails mid-run: requests fail cleanly (NULL), nothing leaks, and it recovers."""
+    from test_plugin import FAKE, PLUGIN, ok
+
+    if not (PLUGIN.exists() and FAKE.exists()):
+        pytest.skip("plugin or fake driver not built")
+    ok("""
+        import random
+        rng = random.Random(4)
+        sizes = [rng.randint(1, 6 * MiB) for _ in range(12)]
+        def iteration(tag):
+            held, failed = [], 0
+            for i, n in enumerate(sizes):
+                p = alloc(n)
+                if not p:
+                    failed += 1
+                    continue
+                ctypes.memset(p, (tag + i) % 251, n)
+                held.append((p, n, (tag + i) % 251))
+                if i % 3 == 2:                    # a temporary: checked and freed at once
+                    q, m, v = held.pop()
+                    assert ctypes.string_at(q, m) == bytes([v]) * m, "memory shared by two blocks"
+                    free(q)
+            for q, m, v in reversed(held):
+                assert ctypes.string_at(q, m) == bytes([v]) * m, "memory shared by two blocks"
+                free(q)
+            return failed
+        for t in range(10):
+            assert iteration(t) == 0, err()
+        s = stats()
+        assert s["allocated_bytes.all.current"] == 0
+        reserved = s["reserved_bytes.all.current"]
+        assert fake.fakecuda_bytes_in_use(0) == reserved > 0
+        lib.pymemplan_empty_cache(0)
+        fake.fakecuda_fail_alloc_error(1)        # CUDA_ERROR_INVALID_VALUE: a driver failure
+        fake.fakecuda_fail_create_at(3)          # ... of the third page created from now on
+        assert iteration(10) == 1 and "CUDA_ERROR_INVALID_VALUE" in err()
+        fake.fakecuda_set_capacity(16 * MiB)     # and then too little memory
+        assert iteration(11) >= 1 and "out of memory" in err()
+        fake.fakecuda_set_capacity(256 * MiB)
+        for t in range(12, 20):
+            assert iteration(t) == 0, err()
+        assert stats()["allocated_bytes.all.current"] == 0
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_bytes_in_use(0) == 0 and stats()["reserved_bytes.all.current"] == 0
+        assert fake.fakecuda_live_handles(0) == 0 and fake.fakecuda_live_mappings() == 0
+    """, policy=POLICY, config="oom_action:null,min_period:8,match_window:8")

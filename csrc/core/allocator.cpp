@@ -377,11 +377,11 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   if (b == nullptr) {
     const std::size_t seg = segment_size(rounded);
     if (config_.release_before_grow && !unused_segments_.empty() &&
-        reserved_ + static_cast<std::int64_t>(seg) > reserved_hwm_) {
+        reserved_ + static_cast<std::int64_t>(seg) > grow_mark_) {
       // ours: cached segments that cannot serve this request would otherwise sit under a
       // new, higher peak; give back just enough of them to keep the peak where it was.
       release_cached(static_cast<std::size_t>(reserved_ + static_cast<std::int64_t>(seg) -
-                                              reserved_hwm_));
+                                              grow_mark_));
     }
     b = new_segment(pool, seg, stream);
     // torch: release_available_cached_blocks(): with max_split_size set, free oversize
@@ -460,6 +460,7 @@ Block* CachingAllocator::new_segment(Pool& pool, std::size_t bytes, StreamId str
   Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, pool.small, false);
   reserved_ += static_cast<std::int64_t>(bytes);
   reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  grow_mark_ = std::max(grow_mark_, reserved_);
   update_stat(&Stats::reserved_bytes, pool.small, static_cast<std::int64_t>(bytes));
   if (bytes >= config_.max_split_size) stats_.oversize_segments.increase(1);
   ++stats_.num_device_alloc;
@@ -489,23 +490,11 @@ Block* CachingAllocator::add_segment(std::uintptr_t addr, std::size_t bytes, Str
 Block* CachingAllocator::take(Block* b, std::size_t rounded, std::size_t requested,
                               StreamId stream) {
   // `b` is free and in no free list.
-  if (should_split(b, rounded)) {
-    Block* rest = new_block();
-    rest->addr = b->addr + rounded;
-    rest->size = b->size - rounded;
-    rest->stream = b->stream;  // the remainder keeps the owner the whole block had
-    rest->free_seq = b->free_seq;
-    rest->segment = b->segment;
-    rest->prev = b;
-    rest->next = b->next;
-    if (b->next != nullptr) b->next->prev = rest;
-    b->next = rest;
-    b->size = rounded;
-    insert_free(rest);
-  }
+  if (should_split(b, rounded)) insert_free(split(b, b->addr + rounded));
   b->allocated = true;
   b->requested = requested;
   b->stream = stream;
+  count_use(b, +1);
   allocated_.emplace(b->addr, b);
   const bool small = b->segment->small;
   const auto bytes = static_cast<std::int64_t>(b->size);
@@ -516,6 +505,21 @@ Block* CachingAllocator::take(Block* b, std::size_t rounded, std::size_t request
   update_stat(&Stats::requested_bytes, small, static_cast<std::int64_t>(requested));
   if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
   return b;
+}
+
+Block* CachingAllocator::split(Block* b, std::uintptr_t at) {
+  Block* rest = new_block();
+  rest->addr = at;
+  rest->size = b->addr + b->size - at;
+  rest->stream = b->stream;  // the remainder keeps the owner the whole block had
+  rest->free_seq = b->free_seq;
+  rest->segment = b->segment;
+  rest->prev = b;
+  rest->next = b->next;
+  if (b->next != nullptr) b->next->prev = rest;
+  b->next = rest;
+  b->size = at - b->addr;
+  return rest;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -529,7 +533,7 @@ void CachingAllocator::free_block(Block* b) {
   update_stat(&Stats::active_bytes, small, -static_cast<std::int64_t>(b->size));
   b->requested = 0;
   b->free_seq = ++free_seq_;
-  b->segment->may_have_unused_pages = true;
+  count_use(b, -1);
   if (config_.kind == PolicyKind::NoCache) {
     release_segment(b);
     return;
@@ -572,10 +576,14 @@ Block* CachingAllocator::merge(Block* first, Block* second) {
 
 void CachingAllocator::insert_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
-  pool.free.insert(b);
+  if (b->segment->arena) {
+    arena_free_.insert(b);
+  } else {
+    pool.free.insert(b);
+  }
   b->listed = true;
   if (b->is_whole_segment()) {
-    unused_segments_.insert(b);
+    if (!b->segment->arena) unused_segments_.insert(b);  // arenas go back only when retired
   } else {
     update_stat(&Stats::inactive_split, pool.small, 1);
     update_stat(&Stats::inactive_split_bytes, pool.small, static_cast<std::int64_t>(b->size));
@@ -584,10 +592,14 @@ void CachingAllocator::insert_free(Block* b) {
 
 void CachingAllocator::erase_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
-  pool.free.erase(b);
+  if (b->segment->arena) {
+    arena_free_.erase(b);
+  } else {
+    pool.free.erase(b);
+  }
   b->listed = false;
   if (b->is_whole_segment()) {
-    unused_segments_.erase(b);
+    if (!b->segment->arena) unused_segments_.erase(b);
   } else {
     update_stat(&Stats::inactive_split, pool.small, -1);
     update_stat(&Stats::inactive_split_bytes, pool.small, -static_cast<std::int64_t>(b->size));
@@ -621,15 +633,29 @@ void CachingAllocator::collapse_free_segments() {
   // Free neighbours owned by different streams are kept apart so neither stream reuses the
   // other's memory early. A segment made only of such blocks can still go back to the
   // device as a whole: freeing a segment waits for all work on it.
+  // An arena is never given back this way: its blocks keep their owners. Unmapping the pages
+  // of a virtual segment does not wait for queued work (cudaFree does): its owners are
+  // synchronized first, and the merged block is then safe for every stream.
   for (auto& [addr, seg] : segments_) {
     Block* head = seg->head;
-    if (head->next == nullptr) continue;
+    if (head->next == nullptr || seg->arena) continue;
     bool all_free = true;
     // Listed, not merely free: a block being handed out is free but already off the lists.
     for (Block* b = head; b != nullptr && all_free; b = b->next) all_free = b->listed;
     if (!all_free) continue;
-    for (Block* b = head; b != nullptr; b = b->next) erase_free(b);
+    std::vector<StreamId> owners;
+    for (Block* b = head; b != nullptr; b = b->next) {
+      erase_free(b);
+      if (b->stream != kAnyStream &&
+          std::find(owners.begin(), owners.end(), b->stream) == owners.end()) {
+        owners.push_back(b->stream);
+      }
+    }
     while (head->next != nullptr) merge(head, head->next);
+    if (seg->vmm && owners.size() > 1) {
+      for (StreamId s : owners) synchronize_stream(s);
+      head->stream = kAnyStream;
+    }
     insert_free(head);
   }
 }
@@ -643,6 +669,7 @@ Block* CachingAllocator::new_virtual_segment(std::size_t rounded, StreamId strea
   void* ptr = device_->reserve_address(bytes);
   Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, false, true);
   b->segment->pages.assign(bytes / page, 0);
+  b->segment->users.assign(bytes / page, 0);
   return b;
 }
 
@@ -659,9 +686,9 @@ bool CachingAllocator::back(Block* b, std::size_t rounded) {
   }
   if (missing == 0) return true;
   const auto need = static_cast<std::int64_t>(missing * page);
-  if (reserved_ + need > reserved_hwm_) {
+  if (reserved_ + need > grow_mark_) {
     // ours: unused pages under free blocks, then cached segments, go back before the peak rises.
-    const auto over = static_cast<std::size_t>(reserved_ + need - reserved_hwm_);
+    const auto over = static_cast<std::size_t>(reserved_ + need - grow_mark_);
     const std::size_t got = reclaim_pages(seg, lo, hi, over);
     if (got < over && config_.release_before_grow) release_cached(over - got);
   }
@@ -697,9 +724,11 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
       }
       seg->pages[i] = h;
       ++seg->mapped;
+      if (seg->users[i] == 0) ++seg->unused_mapped;  // its block is counted once taken
       mapped_now.push_back(i);
       reserved_ += static_cast<std::int64_t>(page);
       reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+      grow_mark_ = std::max(grow_mark_, reserved_);
       update_stat(&Stats::reserved_bytes, false, static_cast<std::int64_t>(page));
       ++stats_.num_device_alloc;
     }
@@ -716,62 +745,59 @@ void CachingAllocator::unmap_page(Segment* seg, std::size_t i) {
   device_->release_page(seg->pages[i]);
   seg->pages[i] = 0;
   --seg->mapped;
+  if (seg->users[i] == 0) --seg->unused_mapped;
   reserved_ -= static_cast<std::int64_t>(page);
   update_stat(&Stats::reserved_bytes, false, -static_cast<std::int64_t>(page));
   ++stats_.num_device_free;
 }
 
-std::vector<bool> CachingAllocator::pages_in_use(const Segment* seg) const {
-  // A page is in use while any allocated block, or a freed one still waiting on events,
-  // overlaps it.
+void CachingAllocator::count_use(const Block* b, int delta) {
+  Segment* seg = b->segment;
+  if (!seg->vmm) return;
   const std::size_t page = device_->granularity();
-  std::vector<bool> used(seg->pages.size(), false);
-  for (const Block* b = seg->head; b != nullptr; b = b->next) {
-    if (!b->allocated && b->pending_events == 0) continue;
-    for (std::size_t i = (b->addr - seg->addr) / page; i <= (b->addr + b->size - 1 - seg->addr) / page; ++i) {
-      used[i] = true;
+  for (std::size_t i = (b->addr - seg->addr) / page; i <= (b->addr + b->size - 1 - seg->addr) / page; ++i) {
+    if (delta > 0) {
+      if (seg->users[i]++ == 0 && seg->pages[i] != 0) --seg->unused_mapped;
+    } else {
+      if (--seg->users[i] == 0 && seg->pages[i] != 0) ++seg->unused_mapped;
     }
   }
-  return used;
 }
 
 std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t keep_lo,
                                             std::uintptr_t keep_hi, std::size_t want) {
   // Unmaps pages no live block touches (but those under [keep_lo, keep_hi) of `keep`, about
-  // to be used) and gives them back to the device, until `want` bytes are reclaimed.
+  // to be used) and gives them back to the device, until `want` bytes are reclaimed. The
+  // pool's segments go first, arenas last: their free pages will serve the plan again.
   const std::size_t page = device_->granularity();
   std::size_t reclaimed = 0;
-  for (auto& [addr, seg] : segments_) {
-    // Pages become unused only when a block is freed: skip segments without a free since
-    // their last complete scan (growth phases call this at every new page).
-    if (!seg->vmm || seg->mapped == 0 || !seg->may_have_unused_pages) continue;
-    if (reclaimed >= want) break;
-    const std::vector<bool> used = pages_in_use(seg);
-    std::vector<std::size_t> victims;
-    bool kept_some = false;  // unused pages left mapped: the segment stays worth a scan
-    std::size_t i = 0;
-    for (; i < seg->pages.size() && reclaimed + victims.size() * page < want; ++i) {
-      if (seg->pages[i] == 0 || used[i]) continue;
-      const std::uintptr_t plo = seg->addr + i * page;
-      if (seg == keep && plo < keep_hi && keep_lo < plo + page) {
-        kept_some = true;
-        continue;
+  for (const bool arenas : {false, true}) {
+    for (auto& [addr, seg] : segments_) {
+      if (reclaimed >= want) return reclaimed;
+      // Only segments with mapped pages that no block uses (counted as blocks come and go).
+      if (!seg->vmm || seg->unused_mapped == 0 || seg->arena != arenas) continue;
+      std::vector<std::size_t> victims;
+      for (std::size_t i = 0; i < seg->pages.size() && reclaimed + victims.size() * page < want &&
+                              victims.size() < seg->unused_mapped;
+           ++i) {
+        if (seg->pages[i] == 0 || seg->users[i] != 0) continue;
+        const std::uintptr_t plo = seg->addr + i * page;
+        if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
+        victims.push_back(i);
       }
-      victims.push_back(i);
-    }
-    seg->may_have_unused_pages = kept_some || i < seg->pages.size();
-    if (victims.empty()) continue;
-    // The owners of free blocks over these pages may still have queued work on them.
-    std::vector<StreamId> owners;
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (b->is_free() && b->stream != kAnyStream &&
-          std::find(owners.begin(), owners.end(), b->stream) == owners.end()) {
-        owners.push_back(b->stream);
+      if (victims.empty()) continue;
+      // The owners of free blocks over these pages may still have queued work on them.
+      std::vector<StreamId> owners;
+      for (const Block* b = seg->head; b != nullptr; b = b->next) {
+        if (b->is_free() && b->stream != kAnyStream &&
+            std::find(owners.begin(), owners.end(), b->stream) == owners.end()) {
+          owners.push_back(b->stream);
+        }
       }
+      for (StreamId s : owners) synchronize_stream(s);
+      for (std::size_t v : victims) unmap_page(seg, v);
+      reclaimed += victims.size() * page;
     }
-    for (StreamId s : owners) synchronize_stream(s);
-    for (std::size_t v : victims) unmap_page(seg, v);
-    reclaimed += victims.size() * page;
   }
   return reclaimed;
 }
@@ -825,6 +851,168 @@ bool CachingAllocator::release_oversize_for(Pool& pool, std::size_t rounded, Str
     release_segment(b);
   }
   return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Placement at fixed offsets (arenas of plan-guided placement)
+
+Segment* CachingAllocator::arena_segment(std::uintptr_t arena) const {
+  auto it = segments_.find(arena);
+  if (it == segments_.end() || !it->second->arena) {
+    throw AllocatorError("no arena at " + to_hex(arena) + " (never created, or retired)");
+  }
+  return it->second;
+}
+
+std::uintptr_t CachingAllocator::create_arena(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t page = std::max<std::size_t>(device_->granularity(), 1);
+  bytes = round_up(std::max<std::size_t>(bytes, 1), page);
+  Block* b;
+  if (config_.vmm) {
+    b = add_segment(reinterpret_cast<std::uintptr_t>(device_->reserve_address(bytes)), bytes,
+                    kAnyStream, false, true);
+    b->segment->pages.assign(bytes / page, 0);
+    b->segment->users.assign(bytes / page, 0);
+  } else {
+    b = new_segment(large_, bytes, kAnyStream);
+    if (b == nullptr) return 0;
+  }
+  // Fresh memory: no stream has work queued on it, so any may use it.
+  b->stream = kAnyStream;
+  b->segment->arena = true;
+  insert_free(b);
+  return b->addr;
+}
+
+Block* CachingAllocator::free_run(const Segment* seg, std::uintptr_t lo, std::uintptr_t hi,
+                                  StreamId stream, StreamId* foreign) {
+  Block probe;
+  probe.addr = lo;
+  auto it = arena_free_.upper_bound(&probe);
+  if (it == arena_free_.begin()) return nullptr;
+  Block* first = *std::prev(it);
+  if (first->segment != seg || first->addr + first->size <= lo) return nullptr;
+  for (Block* b = first;; b = b->next) {
+    // Free neighbours of different owners stay apart, so a range may span several blocks.
+    if (b == nullptr || !b->listed) return nullptr;
+    if (b->stream != stream && b->stream != kAnyStream) {
+      *foreign = b->stream;
+      return nullptr;
+    }
+    if (b->addr + b->size >= hi) return first;
+  }
+}
+
+void* CachingAllocator::allocate_at(std::uintptr_t arena, std::size_t offset, std::size_t rounded,
+                                    std::int64_t requested, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (requested <= 0 || rounded % kMinBlockSize != 0 ||
+      rounded < static_cast<std::size_t>(requested)) {
+    throw AllocatorError("allocate_at: invalid size " + std::to_string(requested) + " (rounded " +
+                         std::to_string(rounded) + ")");
+  }
+  Segment* seg = arena_segment(arena);
+  if (offset % kMinBlockSize != 0 || offset > seg->size || rounded > seg->size - offset) {
+    return nullptr;
+  }
+  process_events();
+  const std::uintptr_t lo = seg->addr + offset, hi = lo + rounded;
+  Block* b = nullptr;
+  for (int attempt = 0; b == nullptr; ++attempt) {
+    StreamId foreign = kAnyStream;
+    b = free_run(seg, lo, hi, stream, &foreign);
+    if (b != nullptr) break;
+    // Another stream freed (part of) the range: once its queued work is done, the range is
+    // safe for every stream. Ask now; a later request may find it done.
+    if (foreign == kAnyStream || !config_.cross_stream_reuse || attempt == 1) return nullptr;
+    start_drain(foreign);
+    process_events();
+  }
+  // Cut the run at lo and hi (the outer parts keep their owners) and merge what is between.
+  erase_free(b);
+  if (b->addr < lo) {
+    Block* mid = split(b, lo);
+    insert_free(b);
+    b = mid;
+  }
+  while (b->addr + b->size < hi) {
+    Block* next = b->next;
+    erase_free(next);
+    if (next->addr + next->size > hi) insert_free(split(next, hi));
+    b = merge(b, next);
+  }
+  if (b->addr + b->size > hi) insert_free(split(b, hi));
+  if (seg->vmm) {
+    bool backed = false;
+    try {
+      backed = back(b, rounded);
+    } catch (...) {
+      insert_free(coalesce(b));  // a driver error: the range goes back as it was
+      throw;
+    }
+    if (!backed) {
+      insert_free(coalesce(b));
+      return nullptr;
+    }
+  }
+  return reinterpret_cast<void*>(take(b, rounded, static_cast<std::size_t>(requested), stream)->addr);
+}
+
+void CachingAllocator::retire_arena(std::uintptr_t arena) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Segment* seg = arena_segment(arena);
+  std::vector<Block*> listed;
+  for (Block* b = seg->head; b != nullptr; b = b->next) {
+    if (b->listed) listed.push_back(b);
+  }
+  for (Block* b : listed) erase_free(b);
+  seg->arena = false;
+  for (Block* b : listed) insert_free(b);
+  Block* head = seg->head;
+  if (head->is_whole_segment() && head->listed) {
+    erase_free(head);
+    release_segment(head);
+  }
+}
+
+std::size_t CachingAllocator::arena_mapped(std::uintptr_t arena) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = segments_.find(arena);
+  if (it == segments_.end() || !it->second->arena) return 0;
+  const Segment* seg = it->second;
+  return seg->vmm ? seg->mapped * device_->granularity() : seg->size;
+}
+
+bool CachingAllocator::arena_in_use(std::uintptr_t arena) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Segment* seg = arena_segment(arena);
+  for (const Block* b = seg->head; b != nullptr; b = b->next) {
+    if (!b->is_free()) return true;
+  }
+  return false;
+}
+
+std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  process_events();
+  const std::int64_t before = reserved_;
+  const Segment* keep = nullptr;
+  if (arena != 0) keep = arena_segment(arena);
+  const std::uintptr_t lo = keep != nullptr ? keep->addr : 0;
+  reclaim_pages(keep, lo, lo + arena_keep, kNoLimit);
+  release_cached(kNoLimit);
+  return static_cast<std::size_t>(before - reserved_);
+}
+
+void CachingAllocator::set_grow_mark(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  grow_mark_ = std::max(reserved_, static_cast<std::int64_t>(bytes));
+}
+
+std::int64_t CachingAllocator::reserved_high_water() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_hwm_;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -910,6 +1098,29 @@ void CachingAllocator::share_blocks_of(StreamId owner, std::uint64_t up_to_seq) 
       insert_free(coalesce(b));
     }
   }
+  if (arena_free_.empty()) return;
+  std::vector<Block*> blocks;
+  for (Block* b : arena_free_) {
+    if (b->stream == owner && b->free_seq <= up_to_seq) blocks.push_back(b);
+  }
+  for (Block* b : blocks) {
+    erase_free(b);
+    b->stream = kAnyStream;
+  }
+  for (Block* b : blocks) {
+    if (b->segment == nullptr) continue;
+    insert_free(coalesce(b));
+  }
+}
+
+void CachingAllocator::start_drain(StreamId owner) {
+  // Once an event recorded on `owner` now has completed, the blocks it freed so far are safe
+  // for every stream (share_blocks_of).
+  if (std::find(draining_.begin(), draining_.end(), owner) != draining_.end()) return;
+  EventHandle e = get_event();
+  device_->record_event(e, owner);
+  pending_.push_back({e, nullptr, owner, free_seq_});
+  draining_.push_back(owner);
 }
 
 EventHandle CachingAllocator::get_event() {

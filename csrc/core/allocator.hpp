@@ -79,6 +79,37 @@ class CachingAllocator : public Allocator {
   Device& device() { return *device_; }
   std::string last_error() const override;
 
+  // --- Placement at fixed offsets (plan-guided placement, planned.hpp) ---
+  // An arena of at least `bytes`: a segment the best-fit search never looks at; memory in it
+  // is handed out only through allocate_at. With vmm, a virtual range whose pages are mapped
+  // on first use; otherwise a device segment. Returns its address, 0 when the device (or the
+  // memory limit) refuses it.
+  std::uintptr_t create_arena(std::size_t bytes);
+  // Memory at arena + offset for `rounded` bytes (a multiple of 512, at least `requested`) if
+  // that range is free now and safe for `stream`: every free block under it is owned by
+  // `stream` or shared. Otherwise nullptr with nothing changed; a range freed by another stream
+  // starts a drain of that stream, so that a later request may use it. No OOM is counted: the
+  // caller falls back to malloc. Throws AllocatorError for an address that is not an arena.
+  void* allocate_at(std::uintptr_t arena, std::size_t offset, std::size_t rounded,
+                    std::int64_t requested, StreamId stream);
+  // The arena becomes an ordinary segment: its free space serves best fit, and it goes back
+  // to the device once wholly free (at once if it is now).
+  void retire_arena(std::uintptr_t arena);
+  // Bytes of the arena's pages that are mapped (its size without vmm); 0 for no arena.
+  std::size_t arena_mapped(std::uintptr_t arena) const;
+  // Whether an allocated block (or one waiting on events) lies in the arena.
+  bool arena_in_use(std::uintptr_t arena) const;
+  // Gives back to the device what no live block uses: the unused pages of virtual segments
+  // (in `arena`, only those from `arena_keep` bytes on) and the wholly free segments. Streams
+  // that freed the memory are synchronized first. Returns the bytes given back.
+  std::size_t trim(std::uintptr_t arena, std::size_t arena_keep);
+  // Pages (or segments) that would take reserved memory past the grow mark are mapped only
+  // after unused ones are given back (release_before_grow). The mark is the highest reserved
+  // so far unless lowered here: it becomes max(reserved now, bytes).
+  void set_grow_mark(std::size_t bytes);
+  // The highest reserved so far (never reset, unlike the peak stat).
+  std::int64_t reserved_high_water() const;
+
  private:
   struct Pool {
     bool small = false;
@@ -113,10 +144,21 @@ class CachingAllocator : public Allocator {
   bool map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
   std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                             std::size_t want);
-  std::vector<bool> pages_in_use(const Segment* seg) const;
+  // Counts `b` (a block of a virtual segment) in or out of the users of its pages.
+  void count_use(const Block* b, int delta);
   void unmap_page(Segment* seg, std::size_t index);
   void synchronize_stream(StreamId stream);
   Block* take(Block* block, std::size_t rounded, std::size_t requested, StreamId stream);
+  // `b` is free and listed nowhere: it keeps [addr, at); the returned block, with the same
+  // owner, gets [at, end).
+  Block* split(Block* b, std::uintptr_t at);
+  // The first free block of a run of listed free blocks covering [lo, hi) in the arena `seg`,
+  // all usable by `stream`; nullptr if there is none (`*foreign`: the owner stream that is
+  // in the way, if that is the only reason).
+  Block* free_run(const Segment* seg, std::uintptr_t lo, std::uintptr_t hi, StreamId stream,
+                  StreamId* foreign);
+  Segment* arena_segment(std::uintptr_t arena) const;
+  void start_drain(StreamId owner);
   void free_block(Block* block);
   Block* merge(Block* first, Block* second);
   Block* coalesce(Block* block);
@@ -153,6 +195,8 @@ class CachingAllocator : public Allocator {
   std::unordered_map<std::uintptr_t, Block*> allocated_;  // by address, allocated or pending
   std::map<std::uintptr_t, Segment*> segments_;           // by address, to find a pointer's segment
   std::set<Block*, LargestFirst> unused_segments_;        // free blocks spanning a whole segment
+                                                          // (arenas excepted)
+  std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas
   std::deque<PendingEvent> pending_;
   std::vector<EventHandle> event_pool_;
   std::vector<StreamId> draining_;  // streams with a drain event in flight
@@ -161,6 +205,7 @@ class CachingAllocator : public Allocator {
   std::size_t limit_ = 0;  // 0: none
   std::int64_t reserved_ = 0;
   std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
+  std::int64_t grow_mark_ = 0;     // see set_grow_mark: reserved_hwm_ unless lowered
   Stats stats_;
   std::string last_error_;
 };

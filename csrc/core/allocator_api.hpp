@@ -46,6 +46,9 @@ class Allocator {
   // Allocators that serve requests from an offline plan: the ordinal (0-based, counting
   // allocation requests) of the first request a plan served; UINT64_MAX when none did.
   virtual std::uint64_t first_planned_request() const { return ~std::uint64_t{0}; }
+  // Seconds spent computing plans (offline packing), for benchmarks that separate the one-off
+  // planning cost from the cost of serving requests; 0 for allocators without plans.
+  virtual double planning_seconds() const { return 0.0; }
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

@@ -48,7 +48,13 @@ struct Segment {
   bool vmm = false;
   std::vector<PageHandle> pages;
   std::size_t mapped = 0;  // pages mapped
-  bool may_have_unused_pages = false;  // a block was freed here since the last reclaim scan
+  // users[i]: blocks in use (allocated, or freed and waiting on events) that overlap page i;
+  // unused_mapped: pages mapped with no user, which reclaiming may give back.
+  std::vector<std::uint32_t> users;
+  std::size_t unused_mapped = 0;
+  // An arena of plan-guided placement: its free blocks are never searched by best fit;
+  // memory in it is handed out only at the offsets a plan names (allocate_at).
+  bool arena = false;
 };
 
 // Free blocks ordered by (owner stream, size, address): lower_bound on (stream, n, 0) is the
@@ -61,5 +67,10 @@ struct BlockBySize {
   }
 };
 using FreeList = std::set<Block*, BlockBySize>;
+
+// Free blocks of arenas, by address: the block under a planned offset in O(log n).
+struct BlockByAddress {
+  bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
+};
 
 }  // namespace pymemplan

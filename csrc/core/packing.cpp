@@ -1,10 +1,13 @@
 #include "packing.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <numeric>
+#include <queue>
 #include <random>
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <utility>
 
@@ -13,68 +16,115 @@ namespace {
 
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 
-// Greedy placement in `order`. Fixed bins (capacities) are tried first, the smallest fitting
-// gap wins; otherwise the block goes to the arena (bin == capacities.size()), best fit or on
-// top. Returns the arena; fills offsets, bins and the block that sets the arena's top.
-// `limit`: give up once the arena reaches it (no improvement possible).
-std::size_t place(const std::vector<PackBlock>& blocks, std::size_t period,
-                  const std::vector<std::size_t>& capacities,
-                  const std::vector<std::size_t>& order, std::vector<std::size_t>& offsets,
-                  std::vector<std::size_t>& bins, std::size_t* top_block, std::size_t limit) {
-  const std::size_t nbins = capacities.size() + 1;
-  offsets.assign(blocks.size(), kNone);
-  bins.assign(blocks.size(), kNone);
-  std::vector<std::vector<std::size_t>> placed(nbins);
-  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+// Range max over elementary time intervals, with a range raise to a value that is at least
+// every value in the range (a placed block's top is above the skyline under it). Bottom-up: a
+// raise tags the nodes covering the range and lifts the maxima on the two boundary paths; a
+// query takes the maxima of the covering nodes and the tags on the two boundary paths (every
+// covering node hangs off them).
+class MaxTree {
+ public:
+  explicit MaxTree(std::size_t n) : n_(std::max<std::size_t>(n, 1)), mx_(2 * n_, 0), tag_(2 * n_, 0) {}
+  std::size_t query(std::size_t l, std::size_t r) const {
+    std::size_t out = 0;
+    for (std::size_t a = l + n_, b = r + n_; a < b; a >>= 1, b >>= 1) {
+      if (a & 1) out = std::max(out, mx_[a++]);
+      if (b & 1) out = std::max(out, mx_[--b]);
+    }
+    for (std::size_t k = (l + n_) >> 1; k > 0; k >>= 1) out = std::max(out, tag_[k]);
+    for (std::size_t k = (r - 1 + n_) >> 1; k > 0; k >>= 1) out = std::max(out, tag_[k]);
+    return out;
+  }
+  void raise(std::size_t l, std::size_t r, std::size_t v) {
+    for (std::size_t a = l + n_, b = r + n_; a < b; a >>= 1, b >>= 1) {
+      if (a & 1) {
+        mx_[a] = std::max(mx_[a], v);
+        tag_[a] = std::max(tag_[a], v);
+        ++a;
+      }
+      if (b & 1) {
+        --b;
+        mx_[b] = std::max(mx_[b], v);
+        tag_[b] = std::max(tag_[b], v);
+      }
+    }
+    for (std::size_t k = (l + n_) >> 1; k > 0; k >>= 1) mx_[k] = std::max(mx_[k], v);
+    for (std::size_t k = (r - 1 + n_) >> 1; k > 0; k >>= 1) mx_[k] = std::max(mx_[k], v);
+  }
+
+ private:
+  std::size_t n_;
+  std::vector<std::size_t> mx_, tag_;  // mx_: max in the subtree; tag_: raise of the whole subtree
+};
+
+// A block's lifetime as at most two ranges of elementary intervals (it may wrap around).
+struct Spans {
+  std::size_t lo[2] = {0, 0}, hi[2] = {0, 0};
+  int n = 0;
+};
+
+// One skyline run: blocks in the order of the lazy queue (lowest key first, then `rank`).
+// Returns the arena; stops early once it reaches `limit` (it cannot beat the best then).
+// Queue entries are (key, rank) pairs, packed into one 64-bit word when keys in units of
+// `unit` (the gcd of the sizes: every key is a sum of sizes) fit 32 bits.
+template <bool kPacked>
+std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Spans>& spans,
+                    std::size_t intervals, const std::vector<std::size_t>& order,
+                    std::vector<std::size_t>& offsets, std::size_t limit, std::size_t unit) {
+  MaxTree sky(intervals);
+  auto key_of = [&](std::size_t i) {
+    std::size_t k = 0;
+    for (int s = 0; s < spans[i].n; ++s) k = std::max(k, sky.query(spans[i].lo[s], spans[i].hi[s]));
+    return k;
+  };
+  using Entry = std::conditional_t<kPacked, std::uint64_t, std::pair<std::size_t, std::size_t>>;
+  auto make = [&](std::size_t key, std::size_t rank) -> Entry {
+    if constexpr (kPacked) {
+      return (static_cast<std::uint64_t>(key / unit) << 32) | rank;
+    } else {
+      return {key, rank};
+    }
+  };
+  auto key_at = [&](const Entry& e) -> std::size_t {
+    if constexpr (kPacked) {
+      return static_cast<std::size_t>(e >> 32) * unit;
+    } else {
+      return e.first;
+    }
+  };
+  auto rank_at = [&](const Entry& e) -> std::size_t {
+    if constexpr (kPacked) {
+      return static_cast<std::size_t>(e & 0xffffffffu);
+    } else {
+      return e.second;
+    }
+  };
+  std::vector<Entry> heap;
+  heap.reserve(order.size());
+  for (std::size_t r = 0; r < order.size(); ++r) heap.push_back(make(0, r));
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue(
+      std::greater<Entry>(), std::move(heap));
+  offsets.assign(blocks.size(), 0);
   std::size_t arena = 0;
-  for (std::size_t i : order) {
-    const PackBlock& b = blocks[i];
-    std::size_t best = kNone, best_gap = kNone, best_bin = kNone;
-    for (std::size_t bin = 0; bin < nbins; ++bin) {
-      const bool fixed = bin < capacities.size();
-      if (fixed && capacities[bin] < b.size) continue;
-      if (!fixed && best != kNone) break;  // a fixed bin holds it
-      ranges.clear();
-      for (std::size_t j : placed[bin]) {
-        if (lifetimes_overlap(b, blocks[j], period)) {
-          ranges.emplace_back(offsets[j], offsets[j] + blocks[j].size);
-        }
-      }
-      std::sort(ranges.begin(), ranges.end());
-      std::size_t end = 0, bin_best = kNone, bin_gap = kNone;
-      for (const auto& [lo, hi] : ranges) {
-        if (lo > end) {
-          const std::size_t gap = lo - end;
-          if (gap >= b.size && gap < bin_gap) {
-            bin_best = end;
-            bin_gap = gap;
-          }
-        }
-        end = std::max(end, hi);
-      }
-      if (fixed) {
-        if (capacities[bin] >= end + b.size && capacities[bin] - end < bin_gap) {
-          bin_best = end;
-          bin_gap = capacities[bin] - end;
-        }
-      } else if (bin_best == kNone) {
-        bin_best = end;
-        bin_gap = kNone;
-      }
-      if (bin_best != kNone && (best == kNone || bin_gap < best_gap)) {
-        best = bin_best;
-        best_gap = bin_gap;
-        best_bin = bin;
-      }
+  while (!queue.empty()) {
+    Entry e = queue.top();
+    queue.pop();
+    for (;;) {
+      const std::size_t key = key_of(order[rank_at(e)]);
+      if (key == key_at(e)) break;
+      // The skyline rose under it since it was queued. Still the lowest: place it at once.
+      e = make(key, rank_at(e));
+      if (queue.empty() || !(queue.top() < e)) break;
+      queue.push(e);
+      e = queue.top();
+      queue.pop();
     }
-    offsets[i] = best;
-    bins[i] = best_bin;
-    placed[best_bin].push_back(i);
-    if (best_bin == capacities.size() && best + b.size > arena) {
-      arena = best + b.size;
-      *top_block = i;
-      if (arena >= limit) return arena;
-    }
+    const std::size_t i = order[rank_at(e)];
+    const std::size_t key = key_at(e);
+    offsets[i] = key;
+    const std::size_t top = key + blocks[i].size;
+    for (int s = 0; s < spans[i].n; ++s) sky.raise(spans[i].lo[s], spans[i].hi[s], top);
+    arena = std::max(arena, top);
+    if (arena >= limit) return arena;
   }
   return arena;
 }
@@ -90,37 +140,34 @@ bool lifetimes_overlap(const PackBlock& a, const PackBlock& b, std::size_t perio
 
 std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period) {
   if (blocks.empty() || period == 0) return 0;
-  std::vector<long long> delta(period + 1, 0);
+  std::vector<std::pair<std::size_t, long long>> delta;  // (time, change), sorted below
+  delta.reserve(3 * blocks.size());
+  long long at_zero = 0;  // blocks wrapping around are alive at time 0
   for (const PackBlock& b : blocks) {
     const auto s = static_cast<long long>(b.size);
     const std::size_t end = b.start + b.life;
-    delta[b.start] += s;
+    delta.emplace_back(b.start, s);
     if (end <= period) {
-      delta[end] -= s;
-    } else {  // wraps: alive from 0 to end - period as well
-      delta[period] -= s;
-      delta[0] += s;
-      delta[end - period] -= s;
+      delta.emplace_back(end, -s);
+    } else {
+      delta.emplace_back(period, -s);
+      at_zero += s;
+      delta.emplace_back(end - period, -s);
     }
   }
+  delta.emplace_back(0, at_zero);
+  std::sort(delta.begin(), delta.end());
   long long live = 0, peak = 0;
-  for (std::size_t t = 0; t < period; ++t) {
-    live += delta[t];
-    peak = std::max(peak, live);
+  for (std::size_t k = 0; k < delta.size();) {
+    const std::size_t t = delta[k].first;
+    for (; k < delta.size() && delta[k].first == t; ++k) live += delta[k].second;
+    if (t < period) peak = std::max(peak, live);
   }
   return static_cast<std::size_t>(peak);
 }
 
 PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
-                       std::size_t search_rounds) {
-  PackResult r = pack_blocks_into(blocks, period, {}, search_rounds);
-  r.bins.clear();
-  return r;
-}
-
-PackResult pack_blocks_into(const std::vector<PackBlock>& blocks, std::size_t period,
-                            const std::vector<std::size_t>& capacities,
-                            std::size_t search_rounds) {
+                       std::size_t search_rounds, std::size_t granule, std::size_t give_up) {
   for (const PackBlock& b : blocks) {
     if (b.start >= period || b.life == 0 || b.life > period) {
       throw std::invalid_argument("pack_blocks: block [" + std::to_string(b.start) + ", +" +
@@ -133,67 +180,80 @@ PackResult pack_blocks_into(const std::vector<PackBlock>& blocks, std::size_t pe
   const std::size_t n = blocks.size();
   if (n == 0) return r;
 
-  std::vector<std::size_t> by_size(n), by_area(n), by_start(n);
-  std::iota(by_size.begin(), by_size.end(), std::size_t{0});
-  by_area = by_start = by_size;
-  std::stable_sort(by_size.begin(), by_size.end(), [&](std::size_t a, std::size_t b) {
-    return blocks[a].size != blocks[b].size ? blocks[a].size > blocks[b].size
-                                            : blocks[a].life > blocks[b].life;
-  });
-  std::stable_sort(by_area.begin(), by_area.end(), [&](std::size_t a, std::size_t b) {
-    return static_cast<double>(blocks[a].size) * static_cast<double>(blocks[a].life) >
-           static_cast<double>(blocks[b].size) * static_cast<double>(blocks[b].life);
-  });
-  std::stable_sort(by_start.begin(), by_start.end(), [&](std::size_t a, std::size_t b) {
-    return blocks[a].start < blocks[b].start;
-  });
-
-  std::vector<std::size_t> offsets, best_order, bins;
-  std::size_t top = 0, best_top = 0;
-  std::size_t best = kNone;
-  for (const auto* order : {&by_size, &by_area, &by_start}) {
-    const std::size_t arena = place(blocks, period, capacities, *order, offsets, bins, &top, best);
-    if (arena < best || r.offsets.empty()) {
-      best = arena;
-      best_order = *order;
-      best_top = top;
-      r.offsets = offsets;
-      r.bins = bins;
-    }
-    if (best == 0 || (capacities.empty() && best == r.bound)) break;
+  // Elementary intervals between the distinct start and end times.
+  std::vector<std::size_t> cuts = {0, period};
+  for (const PackBlock& b : blocks) {
+    cuts.push_back(b.start);
+    cuts.push_back((b.start + b.life) % period);
   }
-  // Local search: the block that sets the top goes earlier in the order (to the front, or a
-  // random earlier place), so it is placed before the blocks that pushed it up. Each round is
-  // O(n^2); skip the search where that would cost too much.
-  const double cost = static_cast<double>(n) * static_cast<double>(n);
-  if (cost * static_cast<double>(search_rounds) > 4e7) {
-    search_rounds = static_cast<std::size_t>(4e7 / std::max(cost, 1.0));
-  }
-  std::mt19937_64 rng(12345);
-  const std::size_t target = capacities.empty() ? r.bound : 0;
-  for (std::size_t round = 0; round < search_rounds && best > target; ++round) {
-    std::vector<std::size_t> order = best_order;
-    auto pos = static_cast<std::size_t>(
-        std::find(order.begin(), order.end(), best_top) - order.begin());
-    if (pos == 0) {
-      // The top block is first already: perturb the order elsewhere instead.
-      if (n < 3) break;
-      const std::size_t a = 1 + rng() % (n - 1), b = 1 + rng() % (n - 1);
-      std::swap(order[a], order[b]);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  auto index = [&](std::size_t t) {
+    return static_cast<std::size_t>(std::lower_bound(cuts.begin(), cuts.end(), t) - cuts.begin());
+  };
+  const std::size_t intervals = cuts.size() - 1;
+  std::vector<Spans> spans(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t end = blocks[i].start + blocks[i].life;
+    Spans& s = spans[i];
+    if (end <= period) {
+      s.lo[0] = index(blocks[i].start);
+      s.hi[0] = index(end);
+      s.n = 1;
     } else {
-      const std::size_t to = round % 2 == 0 ? 0 : rng() % pos;
-      const std::size_t moved = order[pos];
-      order.erase(order.begin() + static_cast<std::ptrdiff_t>(pos));
-      order.insert(order.begin() + static_cast<std::ptrdiff_t>(to), moved);
+      s.lo[0] = index(blocks[i].start);
+      s.hi[0] = intervals;
+      s.lo[1] = 0;
+      s.hi[1] = index(end - period);
+      s.n = s.hi[1] > 0 ? 2 : 1;
     }
-    const std::size_t arena = place(blocks, period, capacities, order, offsets, bins, &top, best);
-    if (arena < best) {
+  }
+
+  // Tie rules: the largest size x lifetime first, the largest first, the longest-lived first
+  // (the slowest: a long block placed raises the skyline under most others); then the same
+  // with random perturbations. An arena within the granule of the bound is as good as the bound.
+  auto life = [&](std::size_t i) { return static_cast<double>(blocks[i].life); };
+  auto size = [&](std::size_t i) { return static_cast<double>(blocks[i].size); };
+  auto area = [&](std::size_t i) { return life(i) * size(i); };
+  const std::function<double(std::size_t)> rules[] = {area, size, life};
+  granule = std::max<std::size_t>(granule, 1);
+  const std::size_t good = (r.bound + granule - 1) / granule * granule;
+  // Keys are sums of sizes: multiples of their gcd.
+  std::size_t unit = 0, total = 0;
+  for (const PackBlock& b : blocks) {
+    unit = std::gcd(unit, b.size);
+    total += b.size;
+  }
+  unit = std::max<std::size_t>(unit, 1);
+  const bool packed = total / unit < (std::uint64_t{1} << 32) && n < (std::uint64_t{1} << 32);
+  std::mt19937_64 rng(12345);
+  std::uniform_real_distribution<double> noise(1.0, 1.3);
+  std::vector<std::size_t> order(n), offsets;
+  std::vector<double> weight(n);
+  std::size_t best = kNone;
+  for (std::size_t run = 0; run < 3 + search_rounds && best > good; ++run) {
+    const auto& rule = rules[run % 3];
+    for (std::size_t i = 0; i < n; ++i) weight[i] = rule(i) * (run < 3 ? 1.0 : noise(rng));
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      if (weight[a] != weight[b]) return weight[a] > weight[b];
+      return blocks[a].size > blocks[b].size;
+    });
+    // A run stops once it cannot beat the best so far (or the caller's give_up level).
+    const std::size_t stop = give_up != 0 && give_up < best ? give_up + 1 : best;
+    const std::size_t arena =
+        packed ? skyline<true>(blocks, spans, intervals, order, offsets, stop, unit)
+               : skyline<false>(blocks, spans, intervals, order, offsets, stop, unit);
+    ++r.runs;
+    if (arena < stop) {  // a complete run (an early stop returns at least `stop`)
       best = arena;
-      best_order = std::move(order);
-      best_top = top;
       r.offsets = offsets;
-      r.bins = bins;
     }
+  }
+  if (best == kNone) {  // every run passed give_up: no offsets
+    r.offsets.clear();
+    r.arena = give_up + 1;
+    return r;
   }
   r.arena = best;
   return r;

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
-#include <functional>
+#include <chrono>
 #include <sstream>
 
 #include "errors.hpp"
@@ -17,8 +17,12 @@ constexpr std::size_t kAlign = 512;
 // A candidate period is planned only if at least this share of the bytes allocated during it
 // have a lifetime known and within the period (the rest would bypass the plan).
 constexpr double kMinCoverage = 0.5;
-// Candidate periods examined per detection (newest occurrences of the window, plus the oldest).
-constexpr std::size_t kMaxCandidates = 24;
+// Candidate periods examined per detection (newest occurrences of the window, plus the oldest
+// reached within kMaxChain steps of its chain).
+constexpr std::size_t kMaxCandidates = 64;
+constexpr std::size_t kMaxChain = 256;
+// Detection runs at most once per (its work / kDetectBudget) events.
+constexpr std::size_t kDetectBudget = 32;
 // Validation: a plan is armed at its cut only after a pass (cut to cut, or from adoption to
 // the cut) in which requests of less than arena / kArmShare bytes failed to match it; an armed
 // plan lets its arena go once mismatched requests exceed arena / kDisarmShare bytes in a pass.
@@ -77,6 +81,7 @@ constexpr PlannedKey kPlannedKeys[] = {
     {"max_plans", &PlannedConfig::max_plans, 1, 1024},
     {"resync_window", &PlannedConfig::resync_window, 0, std::size_t{1} << 20},
     {"search_rounds", &PlannedConfig::search_rounds, 0, 100000},
+    {"plan_slack", &PlannedConfig::plan_slack, 0, 1000},
 };
 
 std::string planned_keys() {
@@ -131,7 +136,7 @@ PlannedConfig PlannedConfig::parse(const std::string& conf) {
     c.*(known->field) = static_cast<std::size_t>(v);
   }
   try {
-    c.pool = PolicyConfig::parse("pymemplan", rest);
+    c.pool = PolicyConfig::parse("pymemplan-vmm", rest);
   } catch (const AllocatorError& e) {
     throw AllocatorError(std::string(e.what()) + "; policy 'pymemplan-planned' also takes: " +
                          planned_keys());
@@ -158,28 +163,14 @@ PlannedAllocator::PlannedAllocator(std::shared_ptr<Device> device, PlannedConfig
   if (!device_) throw AllocatorError("PlannedAllocator needs a device");
   pool_ = std::make_unique<CachingAllocator>(device_, config_.pool);
   prefix_.push_back(0);
-  last_pool_ = pool_->stats();
-  stats_ = last_pool_;
 }
 
-PlannedAllocator::~PlannedAllocator() {
-  try {
-    for (const Pending& p : pending_) device_->synchronize_event(p.event);
-    for (const Pending& p : pending_) device_->destroy_event(p.event);
-    for (EventHandle e : event_pool_) device_->destroy_event(e);
-    for (const auto& a : arenas_) {
-      if (!a->borrowed) device_->free_segment(reinterpret_cast<void*>(a->addr), a->size);
-    }
-  } catch (...) {
-    // A destructor cannot report; the device is being torn down anyway.
-  }
-}
+std::size_t PlannedAllocator::page() const { return std::max<std::size_t>(device_->granularity(), 1); }
 
 // ---------------------------------------------------------------------------------------------
-// Public entry points
+// Public entry points: the pool's, with the plan in front of malloc
 
 void* PlannedAllocator::malloc(std::int64_t size, StreamId stream) {
-  std::string message;
   void* p;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -187,11 +178,9 @@ void* PlannedAllocator::malloc(std::int64_t size, StreamId stream) {
       throw AllocatorError("invalid allocation size " + std::to_string(size) +
                            ": the size must be a positive number of bytes");
     }
-    bool oom = false;
-    p = allocate_locked(static_cast<std::size_t>(size), stream, &oom);
-    if (p == nullptr) message = last_error_;
+    p = allocate_locked(static_cast<std::size_t>(size), stream);
   }
-  if (p == nullptr) throw OutOfMemoryError(message);
+  if (p == nullptr) throw OutOfMemoryError(pool_->last_error());
   return p;
 }
 
@@ -201,168 +190,149 @@ void* PlannedAllocator::try_malloc(std::int64_t size, StreamId stream) {
     throw AllocatorError("invalid allocation size " + std::to_string(size) +
                          ": the size must be a positive number of bytes");
   }
-  bool oom = false;
-  return allocate_locked(static_cast<std::size_t>(size), stream, &oom);
+  return allocate_locked(static_cast<std::size_t>(size), stream);
 }
 
 void PlannedAllocator::free(void* ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
-  free_locked(ptr);
-  sync_stats();
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = live_.find(addr);
+  if (it == live_.end()) {
+    pool_->free(ptr);  // throws AllocatorError with the pool's diagnosis
+    throw AllocatorError("free: pointer " + to_hex(addr) + " was not allocated by this allocator");
+  }
+  pool_->free(ptr);
+  const Live l = it->second;
+  live_.erase(it);
+  live_bytes_ -= static_cast<std::int64_t>(l.size);
+  Event e;
+  e.token = free_token(allocs_ - l.id);
+  const std::uint64_t g = record_event(e);
+  if (l.event >= base_) ev(l.event).free_at = g;
+  detect();
 }
 
 void PlannedAllocator::record_stream(void* ptr, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = live_.find(addr);
-  if (it == live_.end()) {
-    throw AllocatorError("record_stream: pointer " + to_hex(addr) +
-                         " is not a live allocation of this allocator");
-  }
-  Live& l = it->second;
-  if (l.arena == nullptr) {
-    pool_->record_stream(ptr, stream);
-  } else if (stream != l.stream &&
-             std::find(l.uses.begin(), l.uses.end(), stream) == l.uses.end()) {
-    l.uses.push_back(stream);
-  }
+  pool_->record_stream(ptr, stream);
 }
 
-bool PlannedAllocator::owns(const void* ptr) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return live_.count(reinterpret_cast<std::uintptr_t>(ptr)) != 0;
-}
+bool PlannedAllocator::owns(const void* ptr) const { return pool_->owns(ptr); }
 
 void PlannedAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
-  synchronize_events();
-  if (return_idle_borrowed()) armed_ = false;
-  if (arena_ != nullptr && arena_->ranges.empty()) release_arena(arena_);
-  pool_->empty_cache();
-  sync_stats();
-}
-
-void PlannedAllocator::set_memory_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = bytes;
-  apply_limit();
-}
-
-void PlannedAllocator::set_memory_fraction(double fraction) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
-    throw AllocatorError("invalid memory fraction " + std::to_string(fraction) +
-                         ": expected a number in (0, 1]");
+  pool_->empty_cache();  // pending frees complete first
+  if (arena_ != 0 && !pool_->arena_in_use(arena_)) {
+    // Idle: it becomes a segment of the pool and goes back too (a new one is made when a
+    // plan arms again).
+    pool_->retire_arena(arena_);
+    pool_->trim(0, 0);
+    arena_ = 0;
+    arena_size_ = 0;
+    armed_ = false;
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = static_cast<std::size_t>(fraction * static_cast<double>(device_->capacity()));
-  apply_limit();
 }
 
-std::size_t PlannedAllocator::memory_limit() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return limit_;
-}
+void PlannedAllocator::set_memory_limit(std::size_t bytes) { pool_->set_memory_limit(bytes); }
 
-Stats PlannedAllocator::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
-}
+void PlannedAllocator::set_memory_fraction(double fraction) { pool_->set_memory_fraction(fraction); }
 
-void PlannedAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  pool_->reset_peak_stats();
-  sync_stats();
-  stats_.reset_peak();
-  last_pool_ = pool_->stats();
-}
+std::size_t PlannedAllocator::memory_limit() const { return pool_->memory_limit(); }
 
-void PlannedAllocator::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  pool_->reset_accumulated_stats();
-  arena_acc_.reset_accumulated();
-  device_allocs_ = device_frees_ = ooms_ = 0;
-  sync_stats();
-}
+Stats PlannedAllocator::stats() const { return pool_->stats(); }
 
-std::string PlannedAllocator::last_error() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return last_error_;
-}
+void PlannedAllocator::reset_peak_stats() { pool_->reset_peak_stats(); }
+
+void PlannedAllocator::reset_accumulated_stats() { pool_->reset_accumulated_stats(); }
+
+std::vector<SegmentInfo> PlannedAllocator::snapshot() const { return pool_->snapshot(); }
+
+std::string PlannedAllocator::last_error() const { return pool_->last_error(); }
 
 std::size_t PlannedAllocator::round_size(std::size_t size) const { return pool_->round_size(size); }
 
 std::string PlannedAllocator::config_string() const { return config_.to_string(); }
 
-std::int64_t PlannedAllocator::reserved_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.reserved_bytes[kAllPools].current;
-}
+std::int64_t PlannedAllocator::reserved_bytes() const { return pool_->reserved_bytes(); }
 
 std::uint64_t PlannedAllocator::first_planned_request() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return first_planned_;
 }
 
+double PlannedAllocator::planning_seconds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pack_seconds_;
+}
+
 std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::pair<std::string, double>> out;
   auto put = [&](const char* k, double v) { out.emplace_back(k, v); };
-  put("plans", static_cast<double>(plans_.size()));
-  put("plans_built", static_cast<double>(plans_built_));
-  put("plan_switches", static_cast<double>(plan_switches_));
-  put("arms", static_cast<double>(arms_));
-  put("arm_refusals", static_cast<double>(arm_refusals_));
+  auto num = [](auto v) { return static_cast<double>(v); };
+  put("plan_hits", num(plan_hits_));
+  put("fallbacks", num(fallbacks_));
+  put("slot_busy", num(slot_busy_));
+  put("divergences", num(divergences_));
+  put("plans", num(plans_.size()));
+  put("plans_built", num(plans_built_));
+  put("plan_switches", num(plan_switches_));
+  put("arms", num(arms_));
+  put("arm_refusals", num(arm_refusals_));
+  put("refinements", num(refinements_));
+  put("armed", armed_ ? 1.0 : 0.0);
+  put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
   put("plan_coverage", last_coverage_);
-  put("refused_pool_bytes", static_cast<double>(refused_pool_bytes_));
-  put("refused_need_bytes", static_cast<double>(refused_need_bytes_));
-  put("reserved_hwm_bytes", static_cast<double>(reserved_hwm_));
-  put("active_plan_period",
-      active_ == kNoOffset ? 0.0 : static_cast<double>(plans_[active_].period));
-  put("arena_bytes", static_cast<double>(arenas_bytes()));
-  double borrowed = 0.0;
-  for (const Arena* b : borrowed_) borrowed += static_cast<double>(b->size);
-  put("borrowed_bytes", borrowed);
-  put("borrowed_holes", static_cast<double>(borrowed_.size()));
-  put("plan_arena_bytes", static_cast<double>(last_arena_));
-  put("plan_bound_bytes", static_cast<double>(last_bound_));
+  put("plan_arena_bytes", num(last_arena_));
+  put("plan_bound_bytes", num(last_bound_));
   put("plan_ratio", last_ratio_);
-  put("planned_requests", static_cast<double>(planned_requests_));
-  put("pool_requests", static_cast<double>(pool_requests_));
-  put("arena_gap_requests", static_cast<double>(gap_requests_));
-  put("divergences", static_cast<double>(divergences_));
-  put("first_planned_request",
-      first_planned_ == kNever ? -1.0 : static_cast<double>(first_planned_));
+  put("pack_seconds", pack_seconds_);
+  put("arm_held_bytes", num(last_held_));
+  put("arm_footprint_bytes", num(last_footprint_));
+  put("live_hwm_bytes", num(live_hwm_));
+  put("reserved_high_water_bytes", num(pool_->reserved_high_water()));
+  put("arena_bytes", num(arena_size_));
+  put("arena_mapped_bytes", num(arena_ != 0 ? pool_->arena_mapped(arena_) : 0));
+  put("first_planned_request", first_planned_ == kNever ? -1.0 : num(first_planned_));
   return out;
+}
+
+std::pair<std::size_t, std::vector<PackBlock>> PlannedAllocator::last_plan_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {last_period_, last_blocks_};
 }
 
 // ---------------------------------------------------------------------------------------------
 // Allocation
 
-void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream, bool* oom) {
-  process_events();
-  const std::size_t rounded = round_up(size, kAlign);
+void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
+  const std::size_t rounded = pool_->round_size(size);
   const std::uint64_t id = allocs_++;
   const std::uint64_t token = alloc_token(rounded, stream);
   recent_[id % kPrefix] = token;
 
-  Slot* slot = nullptr;
+  const Slot* slot = nullptr;
   if (active_ != kNoOffset) {
-    if (cursor_ == 0) boundary();
-    slot = match_plan(rounded, stream);
+    if (at_cut_) boundary();
+    bool crossed = false;
+    slot = match_plan(rounded, stream, &crossed);
+    if (crossed) boundary();  // a new pass began with this request
     if (slot == nullptr) {
-      diverged_ = ever_diverged_ = true;
+      ever_diverged_ = true;
       last_divergence_ = base_ + events_.size();
       ++divergences_;
       // The plan no longer describes the stream (a new shape, or the end of repeated layers):
-      // stop holding its arena, so the pool may use that memory; a validated pass re-arms.
+      // stop serving from it; its idle pages go back as the pool needs them.
       pass_miss_bytes_ += rounded;
-      if (armed_ && pass_miss_bytes_ * kDisarmShare > plans_[active_].arena) disarm();
+      if (armed_ && pass_miss_bytes_ * kDisarmShare > plans_[active_].bound[0]) disarm();
     } else {
       ++pass_matches_;
     }
   }
-  if (slot == nullptr && allocs_ >= kPrefix) {
-    // Which stored plan starts with the last kPrefix requests? (alternating shapes)
+  if ((slot == nullptr || !armed_) && allocs_ >= kPrefix) {
+    // Which stored plan starts with the last kPrefix requests? (alternating shapes, shapes that
+    // come back). Also while the active plan is not armed: a plan of the iteration seen before
+    // serves at once, where the active one waits for its cut.
     const std::uint64_t h = recent_prefix_hash();
     for (std::size_t i = 0; i < plans_.size(); ++i) {
       if (plans_[i].prefix == h && plans_[i].slots.size() > kPrefix &&
@@ -374,69 +344,23 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream, bool*
     }
   }
 
-  // The pool counts an OOM for each refusal it makes (soft caps, retries); the caller sees
-  // one OOM, or none if a later rung served the request.
-  const std::int64_t pool_ooms = last_pool_.num_ooms;
   void* out = nullptr;
-  Live l;
-  l.id = id;
-  l.size = rounded;
-  l.requested = size;
-  l.stream = stream;
-  Arena* bin = slot != nullptr && armed_ && slot->offset != kNoOffset ? bin_arena(*slot) : nullptr;
-  if (bin != nullptr && slot->offset + rounded <= bin->size &&
-      range_free(*bin, slot->offset, rounded) && stream_ok(*bin, stream)) {
-    occupy(*bin, slot->offset, rounded, size);
-    l.arena = bin;
-    l.offset = slot->offset;
-    out = reinterpret_cast<void*>(bin->addr + slot->offset);
-    ++planned_requests_;
-    if (first_planned_ == kNever) first_planned_ = id;
-  } else if (!armed_) {
-    out = serve_from_gaps(rounded, size, stream, l);
-    if (out != nullptr) ++gap_requests_;
+  if (slot != nullptr && armed_ && arena_ != 0 && slot->offset[variant_] != kNoOffset) {
+    out = pool_->allocate_at(arena_, slot->offset[variant_], rounded, static_cast<std::int64_t>(size),
+                             stream);
+    if (out != nullptr) {
+      ++plan_hits_;
+      if (first_planned_ == kNever) first_planned_ = id;
+    } else {
+      ++slot_busy_;
+    }
   }
   if (out == nullptr) {
-    const auto request = static_cast<std::int64_t>(size);
-    if (!arenas_.empty()) {
-      // With arenas held, the pool may grow only up to the highest reserved so far; past it,
-      // free gaps of the arenas serve first (a planned slot that needs one later goes to the
-      // pool), and only then is the pool let past the old peak.
-      const auto held = static_cast<std::size_t>(arenas_bytes());
-      const auto hwm = static_cast<std::size_t>(reserved_hwm_);
-      std::size_t cap = hwm > held ? hwm - held : 1;
-      if (limit_ != 0) cap = std::min(cap, limit_ > held ? limit_ - held : 1);
-      pool_->set_memory_limit(cap);
-      out = pool_->try_malloc(request, stream);
-      apply_limit();
-      if (out == nullptr) {
-        out = serve_from_gaps(rounded, size, stream, l);
-        if (out != nullptr) ++gap_requests_;
-      }
-    }
-    if (out == nullptr && l.arena == nullptr) out = pool_->try_malloc(request, stream);
-    if (out == nullptr) {
-      // The OOM ladder, one rung more: idle borrowed holes and an idle arena go back before
-      // the request fails.
-      bool released = return_idle_borrowed();
-      if (arena_ != nullptr && arena_->ranges.empty()) {
-        release_arena(arena_);
-        released = true;
-      }
-      if (released) {
-        out = pool_->try_malloc(request, stream);
-      }
-    }
-    if (out == nullptr) {
-      // Last rung: a free gap of the arena or a borrowed hole (armed or not); a planned slot
-      // that needs it later goes to the pool instead.
-      out = serve_from_gaps(rounded, size, stream, l);
-    }
-    if (out == nullptr) {
-      *oom = true;
-      last_error_ = pool_->last_error();
-    }
-    ++pool_requests_;
+    // A slot the plan has no offset for (its lifetime was unknown when the plan was made):
+    // counted, so that the plan is made again from a pass where every lifetime is known.
+    if (slot != nullptr && !slot->planned && armed_) pass_unplanned_bytes_ += rounded;
+    out = pool_->try_malloc(static_cast<std::int64_t>(size), stream);
+    ++fallbacks_;
   }
 
   Event e;
@@ -444,451 +368,213 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream, bool*
   e.size = rounded;
   e.stream = stream;
   e.alloc = true;
-  l.event = record_event(e);
-  if (out != nullptr) live_.emplace(reinterpret_cast<std::uintptr_t>(out), std::move(l));
+  const std::uint64_t g = record_event(e);
+  if (out != nullptr) {
+    live_.emplace(reinterpret_cast<std::uintptr_t>(out), Live{id, g, size});
+    live_bytes_ += static_cast<std::int64_t>(size);
+    live_hwm_ = std::max(live_hwm_, live_bytes_);
+  }
   detect();
-  ooms_ -= pool_->stats().num_ooms - pool_ooms;
-  if (out == nullptr) ++ooms_;
-  sync_stats();
   return out;
 }
 
-PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, StreamId stream) {
+const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, StreamId stream,
+                                                           bool* crossed) {
   // The slot at the cursor, or a later one: slots that outlive the period (kNoOffset) are
   // skipped freely (one-off allocations of the iteration the plan was made from, such as an
   // optimizer's state), planned ones up to resync_window. The search may cross the plan's end
   // once (the next iteration starts).
-  Plan& p = plans_[active_];
+  const Plan& p = plans_[active_];
   const std::size_t n = p.slots.size();
   std::size_t c = cursor_, skipped = 0;
+  bool wrapped = false;
   for (std::size_t steps = 0; steps < n; ++steps) {
-    Slot& s = p.slots[c];
+    const Slot& s = p.slots[c];
     if (s.size == rounded && s.stream == stream) {
-      cursor_ = c + 1;
-      if (cursor_ == n) cursor_ = 0;
+      cursor_ = c + 1 == n ? 0 : c + 1;
+      at_cut_ = cursor_ == 0;  // the next request starts a pass
+      *crossed = wrapped;      // this one did (slots at the end were skipped)
       return &s;
     }
-    if (s.offset != kNoOffset && ++skipped > config_.resync_window) break;
-    if (++c == n) c = 0;
+    if (s.planned && ++skipped > config_.resync_window) break;
+    if (++c == n) {
+      c = 0;
+      wrapped = true;
+    }
   }
   return nullptr;
 }
 
 void PlannedAllocator::boundary() {
-  // The cursor is at the plan's cut: the fewest planned bytes are alive. Arm the plan, or,
-  // armed, give the pool's wholly free segments back so reserved = arena + what the pool holds.
+  // The cursor is at the plan's cut: the fewest planned bytes are alive. A pass that matched
+  // validates the plan; a validated plan that is not armed yet arms now.
+  at_cut_ = false;
   Plan& p = plans_[active_];
-  if (pass_matches_ > 0 && pass_miss_bytes_ * kArmShare <= p.arena) p.validated = true;
+  if (pass_matches_ > 0 && pass_miss_bytes_ * kArmShare <= p.bound[0]) p.validated = true;
+  const std::size_t unplanned = pass_unplanned_bytes_;
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
-  if (!armed_) {
-    if (p.validated) arm();
-  } else if (last_pool_.reserved_bytes[kAllPools].current >
-             last_pool_.active_bytes[kAllPools].current) {
-    pool_->empty_cache();
+  pass_unplanned_bytes_ = 0;
+  if (armed_ && pool_->reserved_high_water() > arm_limit_) {
+    // The plan took memory past what it was accepted for (the pool served what the plan
+    // did not describe): the pool alone does better, drop it.
+    disarm();
+    p.refused_at[0] = p.refused_at[1] = pool_->reserved_high_water();
+    ++arm_refusals_;
+    return;
   }
-  diverged_ = false;
+  if (armed_ && unplanned * kArmShare > p.bound[0]) {
+    // Requests whose lifetime was unknown when the plan was made went to the pool; the pass
+    // that just ended knows them all: make the plan again from it, and arm it now.
+    refine();
+    ++refinements_;
+  }
+  if (!armed_ && plans_[active_].validated) arm(0);
 }
 
-bool PlannedAllocator::repack(Plan& p) {
-  // Offsets for the plan's blocks in the borrowed holes first, then in the arena.
-  std::vector<std::size_t> caps;
-  caps.reserve(borrowed_.size());
-  for (const Arena* b : borrowed_) caps.push_back(b->size);
-  const PackResult r = pack_blocks_into(p.blocks, p.period, caps, config_.search_rounds);
-  for (std::size_t j = 0; j < p.slots.size(); ++j) {
-    const std::size_t k = p.slot_block[j];
-    if (k == kNoOffset) continue;
-    p.slots[j].offset = r.offsets[k];
-    p.slots[j].bin = r.bins[k] == caps.size() ? kArenaBin : r.bins[k];
-  }
-  p.need = r.arena;
-  p.packed_for = bins_version_;
-  p.bins_packed = true;
-  return true;
-}
-
-void PlannedAllocator::borrow_holes() {
-  // The pool's free holes between its live (long-lived) blocks would sit idle next to the
-  // arena; held as pool blocks, they become bins the plan fills first. Only holes of the
-  // large pool (> 1 MiB), and only while the pool can give them without growing.
-  std::vector<std::pair<std::size_t, StreamId>> holes;
-  for (const SegmentInfo& seg : pool_->snapshot()) {
-    if (seg.blocks.size() < 2 || seg.segment_type != "large") continue;
-    for (const BlockInfo& b : seg.blocks) {
-      if (b.state == "inactive" && b.size > kSmallSize) holes.emplace_back(b.size, seg.stream);
-    }
-  }
-  std::sort(holes.begin(), holes.end(), std::greater<>());
-  const std::int64_t reserved = pool_->reserved_bytes();
+void PlannedAllocator::refresh(Plan& p) {
+  const std::uint64_t n = p.built_at;
+  if (n < base_ + p.period) return;  // the window left the history
+  std::vector<std::size_t> lifetimes;
+  coverage(n, p.period, &lifetimes);
   bool changed = false;
-  for (const auto& [size, owner] : holes) {
-    void* q = pool_->try_malloc(static_cast<std::int64_t>(size), owner);
-    if (q == nullptr) continue;
-    if (pool_->reserved_bytes() != reserved) {  // it grew instead: undo, stop
-      pool_->free(q);
-      pool_->empty_cache();
-      break;
-    }
-    auto a = std::make_unique<Arena>();
-    a->addr = reinterpret_cast<std::uintptr_t>(q);
-    a->size = pool_->round_size(size);
-    a->requested = size;
-    a->borrowed = true;
-    // The pool handed it out as safe for `owner` only: another stream drains first.
-    a->has_stream = true;
-    a->first_stream = owner;
-    offset_pool_stats(*a, -1);
-    borrowed_.push_back(a.get());
-    arenas_.push_back(std::move(a));
+  std::size_t k = 0;
+  for (std::uint64_t g = n - p.period; g < n; ++g) {
+    const Event& e = ev(g);
+    if (!e.alloc) continue;
+    const std::size_t life = lifetimes[k];
+    Slot& slot = p.slots[p.slot_of_alloc[k++]];
+    if (life == 0 || slot.planned) continue;
+    const auto t = static_cast<std::size_t>(g - (n - p.period));
+    slot.planned = true;
+    p.slot_block[static_cast<std::size_t>(&slot - p.slots.data())] = p.blocks.size();
+    p.blocks.push_back({(t + p.period - p.cut) % p.period, life, e.size});
     changed = true;
   }
-  if (changed) ++bins_version_;
-}
-
-bool PlannedAllocator::return_idle_borrowed() {
-  bool any = false;
-  for (std::size_t i = 0; i < borrowed_.size();) {
-    Arena* a = borrowed_[i];
-    if (!a->ranges.empty()) {
-      ++i;
-      continue;
-    }
-    for (auto it = pending_.begin(); it != pending_.end();) {  // drain markers
-      if (it->arena == a) {
-        device_->synchronize_event(it->event);
-        event_pool_.push_back(it->event);
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    pool_->free(reinterpret_cast<void*>(a->addr));
-    offset_pool_stats(*a, +1);
-    borrowed_.erase(borrowed_.begin() + static_cast<std::ptrdiff_t>(i));
-    arenas_.erase(std::remove_if(arenas_.begin(), arenas_.end(),
-                                 [a](const std::unique_ptr<Arena>& x) { return x.get() == a; }),
-                  arenas_.end());
-    any = true;
+  if (changed) {
+    p.bound[0] = live_bound(p.blocks, p.period);
+    p.bound[1] = 0;
   }
-  if (any) {
-    ++bins_version_;
-    if (armed_ && active_ != kNoOffset && plans_[active_].packed_for != bins_version_) {
-      armed_ = false;  // its slots may name bins that are gone
-    }
-  }
-  return any;
-}
-
-void PlannedAllocator::offset_pool_stats(const Arena& a, int sign) {
-  // The pool counts a borrowed hole as one allocated block; the planned blocks inside it are
-  // counted by us instead. Only current values move (cumulative counters stay the pool's).
-  const auto size = static_cast<std::int64_t>(a.size) * sign;
-  const auto req = static_cast<std::int64_t>(a.requested) * sign;
-  for (int t : {kAllPools, kLargePool}) {
-    const auto i = static_cast<std::size_t>(t);
-    arena_acc_.allocation[i].current += sign;
-    arena_acc_.active[i].current += sign;
-    arena_acc_.allocated_bytes[i].current += size;
-    arena_acc_.active_bytes[i].current += size;
-    arena_acc_.requested_bytes[i].current += req;
-  }
-}
-
-void* PlannedAllocator::serve_from_gaps(std::size_t rounded, std::size_t size, StreamId stream,
-                                        Live& l) {
-  Arena* best = nullptr;
-  std::size_t best_off = kNoOffset;
-  for (const auto& a : arenas_) {
-    if (a.get() != arena_ && !a->borrowed) continue;  // retired arenas only drain
-    const std::size_t off = best_gap(*a, rounded);
-    if (off != kNoOffset && (best == nullptr || a->size < best->size)) {
-      best = a.get();
-      best_off = off;
-    }
-  }
-  if (best == nullptr || !stream_ok(*best, stream)) return nullptr;
-  occupy(*best, best_off, rounded, size);
-  l.arena = best;
-  l.offset = best_off;
-  return reinterpret_cast<void*>(best->addr + best_off);
-}
-
-bool PlannedAllocator::arm() {
-  Plan& p = plans_[active_];
-  if (p.blocks.empty()) return false;
-  // A plan that covers a small share of the peak (a period of repeated layers, of the
-  // optimizer's loop over parameter groups, ...) is not worth an arena: it would only shuffle
-  // the pool's layout. The iteration's plan covers the activations, a large share.
-  if (static_cast<double>(p.bound) < kMinPlanShare * static_cast<double>(live_hwm_)) return false;
-  const std::size_t gran = std::max<std::size_t>(device_->granularity(), 1);
-  // The arena takes the place of the pool's cached segments; its holes become bins.
-  pool_->empty_cache();
-  borrow_holes();
-  if (p.packed_for != bins_version_ || !p.bins_packed) repack(p);
-  const std::size_t need = round_up(p.need, gran);
-  if (need == 0 || (arena_ != nullptr && arena_->size >= need)) {
-    armed_ = true;
-    ++arms_;
-    return true;
-  }
-  if (arena_ != nullptr) {
-    if (arena_->ranges.empty()) {
-      release_arena(arena_);
-    } else {
-      arena_ = nullptr;  // retired: given back once its last block is freed
-    }
-  }
-  const auto pool_reserved = static_cast<std::size_t>(pool_->reserved_bytes());
-  if (limit_ != 0 && pool_reserved + static_cast<std::size_t>(arenas_bytes()) + need > limit_) {
-    return_idle_borrowed();
-    return false;
-  }
-  // Never raise the peak to arm: the arena must fit under the highest reserved so far (the
-  // pool alone reached it), else the plan waits for a later boundary. This keeps the policy at
-  // or below the pool's own peak whatever the pool's long-lived blocks strand.
-  if (pool_reserved + static_cast<std::size_t>(arenas_bytes()) + need >
-      static_cast<std::size_t>(reserved_hwm_)) {
-    ++arm_refusals_;
-    refused_pool_bytes_ = pool_reserved;
-    refused_need_bytes_ = need;
-    return_idle_borrowed();
-    return false;
-  }
-  void* ptr = device_->allocate_segment(need);
-  if (ptr == nullptr) {
-    return_idle_borrowed();
-    return false;
-  }
-  auto a = std::make_unique<Arena>();
-  a->addr = reinterpret_cast<std::uintptr_t>(ptr);
-  a->size = need;
-  arena_ = a.get();
-  arenas_.push_back(std::move(a));
-  ++device_allocs_;
-  for (int t : {kAllPools, kLargePool}) {
-    arena_acc_.segment[static_cast<std::size_t>(t)].increase(1);
-    arena_acc_.reserved_bytes[static_cast<std::size_t>(t)].increase(static_cast<std::int64_t>(need));
-  }
-  apply_limit();
-  armed_ = true;
-  ++arms_;
-  return true;
 }
 
 void PlannedAllocator::disarm() {
-  // The arena stays: while no plan is armed, requests bound for the pool are placed in its
-  // free gaps first (best fit), so the memory it holds keeps serving instead of sitting idle
-  // next to a growing pool. A later arm() reuses it if it is large enough.
   armed_ = false;
+  // Without virtual memory an idle arena holds its whole size: it goes back now (a plan that
+  // arms again gets a new one). With virtual memory its idle pages go back as the pool needs
+  // them (the grow mark).
+  if (!config_.pool.vmm && arena_ != 0 && !pool_->arena_in_use(arena_)) {
+    pool_->retire_arena(arena_);
+    arena_ = 0;
+    arena_size_ = 0;
+  }
 }
 
-std::size_t PlannedAllocator::best_gap(const Arena& a, std::size_t size) const {
-  std::size_t best = kNoOffset, best_len = kNoOffset, at = 0;
-  auto consider = [&](std::size_t to) {
-    if (to > at && to - at >= size && to - at < best_len) {
-      best = at;
-      best_len = to - at;
-    }
-  };
-  for (const auto& [off, r] : a.ranges) {
-    consider(off);
-    at = off + r.size;
-  }
-  consider(a.size);
-  return best;
+void PlannedAllocator::refine() {
+  const std::uint64_t n = base_ + events_.size();
+  const std::size_t period = plans_[active_].period;
+  if (n - base_ < period) return;
+  std::vector<std::size_t> lifetimes;
+  coverage(n, period, &lifetimes);
+  build_plan(n, period, lifetimes, active_);
 }
 
-bool PlannedAllocator::stream_ok(Arena& a, StreamId stream) {
-  if (!a.has_stream) {
-    a.has_stream = true;
-    a.first_stream = stream;
-    return true;
+std::vector<PackBlock> PlannedAllocator::variant_blocks(const Plan& p, int v,
+                                                      std::vector<std::size_t>* slot_of) const {
+  std::vector<PackBlock> blocks;
+  for (std::size_t j = v == 0 ? 0 : std::min(kPrefix, p.slots.size()); j < p.slots.size(); ++j) {
+    if (p.slot_block[j] == kNoOffset) continue;
+    blocks.push_back(p.blocks[p.slot_block[j]]);
+    if (slot_of != nullptr) slot_of->push_back(j);
   }
-  if (stream == a.first_stream) return true;
-  if (!a.multi_stream) {
-    // The arena's ranges were freed by first_stream without events so far: before another
-    // stream may use any of them, first_stream's work up to now must be done (a drain).
-    a.multi_stream = true;
-    a.draining = true;
-    EventHandle e = event_pool_.empty() ? device_->create_event() : event_pool_.back();
-    if (!event_pool_.empty()) event_pool_.pop_back();
-    device_->record_event(e, a.first_stream);
-    pending_.push_back({e, &a, kNoOffset});
+  return blocks;
+}
+
+bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
+  // Offsets are computed only for a plan that arms: detection builds many plans (of repeated
+  // layers, of iterations seen once) that never do. Variant 1 leaves out the first kPrefix
+  // slots: it serves a pass whose first requests the pool served already (the plan was
+  // recognised by them), so no room is kept for them.
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::size_t> slot_of;
+  const std::vector<PackBlock> blocks = variant_blocks(p, v, &slot_of);
+  const PackResult packed = pack_blocks(blocks, p.period, config_.search_rounds, page(), give_up);
+  pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  last_bound_ = packed.bound;
+  if (packed.offsets.size() != blocks.size()) {
+    last_arena_ = 0;  // no packing within give_up
+    last_ratio_ = 0.0;
     return false;
   }
-  return !a.draining;
-}
-
-void PlannedAllocator::guard(Arena& a, std::size_t offset, StreamId stream) {
-  EventHandle e = event_pool_.empty() ? device_->create_event() : event_pool_.back();
-  if (!event_pool_.empty()) event_pool_.pop_back();
-  device_->record_event(e, stream);
-  pending_.push_back({e, &a, offset});
-  ++a.ranges.at(offset).pending_events;
-}
-
-bool PlannedAllocator::range_free(const Arena& a, std::size_t off, std::size_t size) const {
-  auto it = a.ranges.lower_bound(off);
-  if (it != a.ranges.end() && it->first < off + size) return false;
-  if (it != a.ranges.begin()) {
-    --it;
-    if (it->first + it->second.size > off) return false;
-  }
+  for (std::size_t k = 0; k < slot_of.size(); ++k) p.slots[slot_of[k]].offset[v] = packed.offsets[k];
+  p.arena[v] = packed.arena;
+  p.bound[v] = packed.bound;
+  p.packed[v] = true;
+  last_arena_ = packed.arena;
+  last_ratio_ = packed.ratio();
   return true;
 }
 
-void PlannedAllocator::occupy(Arena& a, std::size_t off, std::size_t size, std::size_t requested) {
-  // Maximal free intervals: the one holding [off, off + size) splits into its parts on either
-  // side that remain.
-  auto next = a.ranges.lower_bound(off);
-  const bool right_adj = off + size == a.size || (next != a.ranges.end() && next->first == off + size);
-  bool left_adj = off == 0;
-  if (!left_adj && next != a.ranges.begin()) {
-    auto prev = std::prev(next);
-    left_adj = prev->first + prev->second.size == off;
+bool PlannedAllocator::arm(int v) {
+  Plan& p = plans_[active_];
+  if (p.bound[0] == 0) return false;
+  // A plan that covers a small share of the peak (a period of repeated layers, of the
+  // optimizer's loop over parameter groups, ...) is not worth an arena: it would only shuffle
+  // the pool's layout. The iteration's plan covers the activations, a large share.
+  if (static_cast<double>(p.bound[0]) < kMinPlanShare * static_cast<double>(live_hwm_)) return false;
+  const std::int64_t high = pool_->reserved_high_water();
+  if (p.refused_at[v] == high) return false;  // nothing changed since it was refused
+  // What the pool holds beyond its live blocks goes back (and the arena's pages beyond what
+  // this plan needs), so that the steady state holds live pool blocks plus the arena.
+  if (!p.packed[0] && !p.packed[1]) refresh(p);
+  if (p.bound[v] == 0) p.bound[v] = live_bound(variant_blocks(p, v, nullptr), p.period);
+  const std::size_t at_least = round_up(p.bound[v], page());
+  pool_->trim(arena_, p.packed[v] ? round_up(p.arena[v], page()) : at_least);
+  std::size_t mapped = arena_ != 0 ? pool_->arena_mapped(arena_) : 0;
+  const auto held = static_cast<std::size_t>(pool_->reserved_bytes()) - mapped;
+  last_held_ = held;
+  last_footprint_ = held + at_least;
+  // The plan is used if its steady footprint (what the pool holds for live blocks, plus the
+  // arena) is at most the highest reserved so far (it never raises the peak), or within
+  // plan_slack (per mille) of the highest live bytes (it is nearly optimal, if a little above
+  // what the pool alone reached so far).
+  const auto limit = std::max(static_cast<std::size_t>(high),
+                              static_cast<std::size_t>(static_cast<double>(live_hwm_) *
+                                                       (1.0 + static_cast<double>(config_.plan_slack) / 1000.0)));
+  auto refuse = [&] {
+    p.refused_at[v] = high;
+    ++arm_refusals_;
+    return false;
+  };
+  if (held + at_least > limit) return refuse();  // not even with a perfect packing
+  // The packer gives up on a run as soon as it needs more than the limit leaves.
+  if (!p.packed[v] && !pack(p, v, (limit - held) / page() * page())) return refuse();
+  const std::size_t need = round_up(p.arena[v], page());
+  const std::size_t footprint = held + need;
+  last_footprint_ = footprint;
+  if (footprint > limit) return refuse();
+  if (arena_ != 0 && arena_size_ < need) {
+    pool_->retire_arena(arena_);  // too small for this plan: its free space joins the pool
+    arena_ = 0;
+    arena_size_ = 0;
+  } else if (arena_ != 0 && mapped > need) {
+    pool_->trim(arena_, need);
   }
-  a.gaps = a.gaps + (left_adj ? 0 : 1) + (right_adj ? 0 : 1) - 1;
-  Range r;
-  r.size = size;
-  r.allocated = true;
-  r.requested = requested;
-  a.ranges.emplace(off, r);
-  a.occupied += size;
-  const auto bytes = static_cast<std::int64_t>(size);
-  for (int t : {kAllPools, kLargePool}) {
-    const auto i = static_cast<std::size_t>(t);
-    arena_acc_.allocation[i].increase(1);
-    arena_acc_.allocated_bytes[i].increase(bytes);
-    arena_acc_.active[i].increase(1);
-    arena_acc_.active_bytes[i].increase(bytes);
-    arena_acc_.requested_bytes[i].increase(static_cast<std::int64_t>(requested));
-  }
-}
-
-void PlannedAllocator::release_range(Arena& a, std::size_t off) {
-  auto it = a.ranges.find(off);
-  const std::size_t size = it->second.size;
-  auto next = std::next(it);
-  const bool right_adj = off + size == a.size || (next != a.ranges.end() && next->first == off + size);
-  bool left_adj = off == 0;
-  if (!left_adj && it != a.ranges.begin()) {
-    auto prev = std::prev(it);
-    left_adj = prev->first + prev->second.size == off;
-  }
-  a.gaps = a.gaps + 1 - (left_adj ? 0 : 1) - (right_adj ? 0 : 1);
-  a.ranges.erase(it);
-  a.occupied -= size;
-  for (int t : {kAllPools, kLargePool}) {
-    const auto i = static_cast<std::size_t>(t);
-    arena_acc_.active[i].decrease(1);
-    arena_acc_.active_bytes[i].decrease(static_cast<std::int64_t>(size));
-  }
-}
-
-void PlannedAllocator::maybe_retire(Arena* a) {
-  if (a != arena_ && !a->borrowed && a->ranges.empty()) release_arena(a);
-}
-
-void PlannedAllocator::release_arena(Arena* a) {
-  // `a` holds no range. Drop drain markers that refer to it.
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    if (it->arena == a) {
-      device_->synchronize_event(it->event);
-      event_pool_.push_back(it->event);
-      it = pending_.erase(it);
-    } else {
-      ++it;
+  if (arena_ == 0) {
+    const std::size_t bytes = config_.pool.vmm ? std::max(need, config_.pool.vmm_segment) : need;
+    try {
+      arena_ = pool_->create_arena(bytes);
+    } catch (const DeviceError&) {
+      arena_ = 0;  // no address range for it: the pool goes on alone
     }
+    if (arena_ == 0) return false;
+    arena_size_ = round_up(bytes, page());
   }
-  device_->free_segment(reinterpret_cast<void*>(a->addr), a->size);
-  ++device_frees_;
-  for (int t : {kAllPools, kLargePool}) {
-    const auto i = static_cast<std::size_t>(t);
-    arena_acc_.segment[i].decrease(1);
-    arena_acc_.reserved_bytes[i].decrease(static_cast<std::int64_t>(a->size));
-  }
-  if (a == arena_) {
-    arena_ = nullptr;
-    armed_ = false;
-  }
-  arenas_.erase(std::remove_if(arenas_.begin(), arenas_.end(),
-                               [a](const std::unique_ptr<Arena>& x) { return x.get() == a; }),
-                arenas_.end());
-  apply_limit();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Freeing and events
-
-void PlannedAllocator::free_locked(void* ptr) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = live_.find(addr);
-  if (it == live_.end()) {
-    for (const auto& a : arenas_) {
-      if (addr >= a->addr && addr < a->addr + a->size) {
-        throw AllocatorError("free: pointer " + to_hex(addr) +
-                             " is not allocated (double free, or a pointer already freed)");
-      }
-    }
-    pool_->free(ptr);  // throws AllocatorError with the pool's diagnosis
-    throw AllocatorError("free: pointer " + to_hex(addr) + " was not allocated by this allocator");
-  }
-  Live& l = it->second;
-  if (l.arena == nullptr) {
-    pool_->free(ptr);
-  } else {
-    Arena& a = *l.arena;
-    Range& r = a.ranges.at(l.offset);
-    r.allocated = false;
-    r.requested = 0;
-    for (int t : {kAllPools, kLargePool}) {
-      const auto i = static_cast<std::size_t>(t);
-      arena_acc_.allocation[i].decrease(1);
-      arena_acc_.allocated_bytes[i].decrease(static_cast<std::int64_t>(l.size));
-      arena_acc_.requested_bytes[i].decrease(static_cast<std::int64_t>(l.requested));
-    }
-    // As in the pool (torch: insert_events()): the range stays busy until the work queued on
-    // every stream that used it has finished; in a multi-stream arena, its own stream too.
-    for (StreamId s : l.uses) guard(a, l.offset, s);
-    if (a.multi_stream) guard(a, l.offset, l.stream);
-    if (r.pending_events == 0) {
-      release_range(a, l.offset);
-      maybe_retire(&a);
-    }
-  }
-  Event e;
-  e.token = free_token(allocs_ - l.id);
-  const std::uint64_t g = record_event(e);
-  if (l.event >= base_) ev(l.event).free_at = g;
-  live_.erase(it);
-  detect();
-}
-
-void PlannedAllocator::process_events() {
-  for (std::size_t i = 0; i < pending_.size();) {
-    Pending p = pending_[i];
-    if (!device_->query_event(p.event)) {
-      ++i;
-      continue;
-    }
-    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
-    event_pool_.push_back(p.event);
-    if (p.offset == kNoOffset) {
-      p.arena->draining = false;
-      continue;
-    }
-    Range& r = p.arena->ranges.at(p.offset);
-    if (--r.pending_events == 0) {
-      release_range(*p.arena, p.offset);
-      maybe_retire(p.arena);
-    }
-  }
-}
-
-void PlannedAllocator::synchronize_events() {
-  for (const Pending& p : pending_) device_->synchronize_event(p.event);
-  process_events();
+  pool_->set_grow_mark(footprint);
+  arm_limit_ = std::max(high, static_cast<std::int64_t>(footprint));
+  armed_ = true;
+  variant_ = v;
+  ++arms_;
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -905,6 +591,7 @@ std::uint64_t PlannedAllocator::record_event(const Event& e) {
     events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(drop));
     prefix_.erase(prefix_.begin(), prefix_.begin() + static_cast<std::ptrdiff_t>(drop));
     base_ += drop;
+    indexed_ = std::max(indexed_, base_);
   }
   return g;
 }
@@ -928,52 +615,85 @@ bool PlannedAllocator::should_plan(std::uint64_t n) const {
   return ever_diverged_ && last_divergence_ + plans_[active_].period >= n;
 }
 
+void PlannedAllocator::index_windows(std::uint64_t n) {
+  // Hash chains: for each window end m, the previous end of an equal window. Indexed lazily:
+  // while a plan matches, nothing is, and detection catches up when it resumes.
+  const std::size_t w = config_.match_window;
+  if (last_end_.size() > 4 * config_.max_period) last_end_.clear();
+  const std::uint64_t pw = pow_base(w);
+  for (std::uint64_t m = std::max(indexed_ + 1, base_ + w); m <= n; ++m) {
+    const std::uint64_t h = prefix_[static_cast<std::size_t>(m - base_)] -
+                            prefix_[static_cast<std::size_t>(m - w - base_)] * pw;
+    auto [it, fresh] = last_end_.try_emplace(h, m);
+    ev(m - 1).chain = fresh ? kNever : it->second;
+    it->second = m;
+  }
+  indexed_ = std::max(indexed_, n);
+}
+
 void PlannedAllocator::detect() {
   const std::uint64_t n = base_ + events_.size();
   const std::size_t w = config_.match_window;
-  if (events_.size() < w) return;
-  const std::uint64_t h = range_hash(n - w, n);
-  if (windows_.size() > 4 * config_.max_period) windows_.clear();
-  std::vector<std::uint64_t>& ends = windows_[h];
-  if (n >= next_detect_ && should_plan(n) && !ends.empty()) {
-    std::size_t best_p = 0;
-    double best_score = -1.0, best_cov = 0.0;
-    std::size_t examined = 0, largest = 0;
-    for (auto it = ends.rbegin(); it != ends.rend() && examined < kMaxCandidates; ++it) {
-      const std::uint64_t p64 = n - *it;
-      if (p64 < config_.min_period || p64 > config_.max_period || *it < base_ + w) continue;
-      const auto p = static_cast<std::size_t>(p64);
-      if (n - base_ < p) continue;
-      ++examined;
-      largest = std::max(largest, p);
-      const bool confirmed = n - base_ >= 2 * p && range_hash(n - p, n) == range_hash(n - 2 * p, n - p);
-      const double cov = coverage(n, p, nullptr);
-      const double score = cov + (confirmed ? 0.01 : 0.0);
-      if (score > best_score) {
-        best_score = score;
-        best_cov = cov;
-        best_p = p;
-      }
+  if (events_.size() < w || n < next_detect_ || !should_plan(n)) return;
+  index_windows(n);
+  std::size_t best_p = 0;
+  double best_score = -1.0, best_cov = 0.0;
+  std::size_t examined = 0, largest = 0, work = 0;
+  std::uint64_t oldest = kNever;
+  auto consider = [&](std::uint64_t end) {
+    const std::uint64_t p64 = n - end;
+    if (p64 < config_.min_period || p64 > config_.max_period || n - base_ < p64) return;
+    const auto p = static_cast<std::size_t>(p64);
+    ++examined;
+    largest = std::max(largest, p);
+    const bool confirmed =
+        n - base_ >= 2 * p64 && range_hash(n - p, n) == range_hash(n - 2 * p64, n - p);
+    // Scored on a sample of at most ~1024 allocations (exact for the winner, below).
+    const std::size_t stride = std::max<std::size_t>(1, p / 2048);
+    work += p / stride;
+    const double cov = coverage(n, p, nullptr, stride);
+    const double score = cov + (confirmed ? 0.01 : 0.0);
+    if (score > best_score) {
+      best_score = score;
+      best_cov = cov;
+      best_p = p;
     }
-    if (best_p != 0 && best_cov >= kMinCoverage) {
-      std::vector<std::size_t> lifetimes;
-      coverage(n, best_p, &lifetimes);
-      build_plan(n, best_p, lifetimes);
-      next_detect_ = n + std::max<std::size_t>(best_p / 2, w);
+  };
+  std::size_t steps = 0;
+  for (std::uint64_t end = ev(n - 1).chain; end != kNever && end > base_ + w && steps < kMaxChain;
+       end = ev(end - 1).chain, ++steps) {
+    if (examined < kMaxCandidates) {
+      consider(end);
     } else {
-      next_detect_ = n + std::max<std::size_t>(largest / 4, w);
+      oldest = end;
     }
   }
-  ends.push_back(n);
-  if (ends.size() > kMaxCandidates) ends.erase(ends.begin() + 1);  // keep the oldest
+  if (oldest != kNever) consider(oldest);
+  if (best_p != 0) {
+    best_cov = coverage(n, best_p, nullptr);
+    work += best_p;
+  }
+  // The next detection waits for at least work / kDetectBudget more events, so that detection
+  // costs O(kDetectBudget) steps per event at most, amortized.
+  const std::size_t pause = work / kDetectBudget;
+  if (best_p != 0 && best_cov >= kMinCoverage) {
+    std::vector<std::size_t> lifetimes;
+    coverage(n, best_p, &lifetimes);
+    build_plan(n, best_p, lifetimes);
+    next_detect_ = n + std::max({best_p / 2, w, pause});
+  } else if (examined > 0) {
+    next_detect_ = n + std::max({largest / 4, w, pause});
+  }
 }
 
 double PlannedAllocator::coverage(std::uint64_t n, std::size_t period,
-                                  std::vector<std::size_t>* lifetimes) const {
+                                  std::vector<std::size_t>* lifetimes, std::size_t stride) const {
   // Lifetime of each allocation of the last `period` events: known if freed (and within the
   // period); for one still alive, predicted from the same allocation one period earlier.
+  // With stride > 1 (scoring candidates), every stride-th event only.
   double total = 0.0, covered = 0.0;
-  for (std::uint64_t g = n - period; g < n; ++g) {
+  if (lifetimes != nullptr) stride = 1;
+  for (std::uint64_t g = n - period; g < n; g += stride) {
     const Event& e = ev(g);
     if (!e.alloc) continue;
     std::size_t life = 0;
@@ -994,7 +714,7 @@ double PlannedAllocator::coverage(std::uint64_t n, std::size_t period,
 }
 
 void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
-                                  const std::vector<std::size_t>& lifetimes) {
+                                  const std::vector<std::size_t>& lifetimes, std::size_t replace) {
   const std::uint64_t s = n - period;
   struct A {
     std::size_t t, life, size;
@@ -1008,18 +728,12 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     if (e.alloc) allocs.push_back({static_cast<std::size_t>(g - s), lifetimes[k++], e.size, e.stream});
   }
   // The cut: the first time step where the fewest planned bytes are alive.
-  std::vector<PackBlock> blocks;
-  std::vector<std::size_t> block_of(allocs.size(), kNoOffset);
-  for (std::size_t i = 0; i < allocs.size(); ++i) {
-    if (allocs[i].life == 0) continue;
-    block_of[i] = blocks.size();
-    blocks.push_back({allocs[i].t, allocs[i].life, allocs[i].size});
-  }
   std::vector<long long> delta(period + 1, 0);
-  for (const PackBlock& b : blocks) {
-    const auto sz = static_cast<long long>(b.size);
-    delta[b.start] += sz;
-    const std::size_t end = b.start + b.life;
+  for (const A& a : allocs) {
+    if (a.life == 0) continue;
+    const auto sz = static_cast<long long>(a.size);
+    delta[a.t] += sz;
+    const std::size_t end = a.t + a.life;
     if (end <= period) {
       delta[end] -= sz;
     } else {
@@ -1042,7 +756,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
       range_hash(s + cut, n) * pow_base(cut) + range_hash(s, s + cut);
   auto rotated = [&](std::size_t t) { return (t + period - cut) % period; };
   const std::size_t now = rotated(0);  // the next request is at time `period` == 0 (mod period)
-  for (std::size_t i = 0; i < plans_.size(); ++i) {
+  for (std::size_t i = 0; i < plans_.size() && replace == kNoOffset; ++i) {
     if (plans_[i].signature == signature) {
       // Seen before (alternating shapes come back): no packing, continue from `now`.
       if (i != active_) {
@@ -1057,20 +771,28 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     }
   }
 
-  const PackResult packed = pack_blocks(blocks, period, config_.search_rounds);
+  // Blocks on the circle that starts at the cut.
+  std::vector<std::size_t> by_time(allocs.size());
+  for (std::size_t i = 0; i < by_time.size(); ++i) by_time[i] = i;
+  std::stable_sort(by_time.begin(), by_time.end(), [&](std::size_t a, std::size_t b) {
+    return rotated(allocs[a].t) < rotated(allocs[b].t);
+  });
+  std::vector<PackBlock> blocks;
+  std::vector<std::size_t> block_of(allocs.size(), kNoOffset);
+  for (std::size_t i = 0; i < allocs.size(); ++i) {
+    if (allocs[i].life == 0) continue;
+    block_of[i] = blocks.size();
+    blocks.push_back({rotated(allocs[i].t), allocs[i].life, allocs[i].size});
+  }
   Plan plan;
   plan.signature = signature;
   plan.period = period;
-  plan.arena = packed.arena;
-  plan.bound = packed.bound;
-  plan.need = packed.arena;  // all in the arena: valid whatever the bins
-  plan.packed_for = bins_version_;  // all in the arena: valid whatever the bins; arm() repacks
-  plan.blocks = blocks;
-  std::vector<std::size_t> order(allocs.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return rotated(allocs[a].t) < rotated(allocs[b].t);
-  });
+  plan.bound[0] = live_bound(blocks, period);
+  const std::vector<std::size_t>& order = by_time;
+  plan.built_at = n;
+  plan.cut = cut;
+  plan.slot_of_alloc.assign(allocs.size(), 0);
+  for (std::size_t j = 0; j < order.size(); ++j) plan.slot_of_alloc[order[j]] = j;
   std::size_t cursor = order.size();
   for (std::size_t j = 0; j < order.size(); ++j) {
     const A& a = allocs[order[j]];
@@ -1078,10 +800,9 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     slot.size = a.size;
     slot.stream = a.stream;
     slot.time = rotated(a.t);
-    slot.bin = kArenaBin;
-    plan.slot_block.push_back(block_of[order[j]]);
-    if (block_of[order[j]] != kNoOffset) slot.offset = packed.offsets[block_of[order[j]]];
+    slot.planned = block_of[order[j]] != kNoOffset;
     plan.slots.push_back(slot);
+    plan.slot_block.push_back(block_of[order[j]]);
     if (cursor == order.size() && rotated(a.t) >= now) cursor = j;
   }
   if (cursor == order.size()) cursor = 0;
@@ -1093,12 +814,22 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     plan.prefix = h;
   }
   ++plans_built_;
-  last_arena_ = packed.arena;
-  last_bound_ = packed.bound;
-  last_ratio_ = packed.ratio();
+  last_period_ = period;
+  last_blocks_ = blocks;
+  plan.blocks = std::move(blocks);
   last_coverage_ = static_cast<double>(std::count_if(lifetimes.begin(), lifetimes.end(),
                                                      [](std::size_t l) { return l != 0; })) /
                    static_cast<double>(std::max<std::size_t>(lifetimes.size(), 1));
+  if (replace != kNoOffset) {
+    // The same plan, made again from a pass where more lifetimes are known.
+    plan.validated = true;
+    plans_[replace] = std::move(plan);
+    armed_ = false;
+    active_ = replace;
+    cursor_ = cursor;
+    at_cut_ = false;
+    return;
+  }
   if (plans_.size() >= config_.max_plans) {
     // Evict the least recently used plan that is not the active one.
     std::size_t victim = kNoOffset;
@@ -1119,158 +850,21 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
 }
 
 void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
+  // Another plan's offsets would be served from an arena packed for the previous one: the
+  // new plan arms at its own cut (or now, see below), after trimming for its needs.
+  if (index != active_) armed_ = false;
   active_ = index;
   cursor_ = cursor;
-  diverged_ = false;
+  at_cut_ = cursor == 0;
   ever_diverged_ = false;
   Plan& p = plans_[index];
   p.last_used = allocs_;
-  const std::size_t gran = std::max<std::size_t>(device_->granularity(), 1);
-  auto fits = [&] {
-    return p.packed_for == bins_version_ && !p.blocks.empty() &&
-           (p.need == 0 || (arena_ != nullptr && arena_->size >= round_up(p.need, gran)));
-  };
-  armed_ = fits();
-  if (!armed_ && arena_ != nullptr && !p.blocks.empty() &&
-      (!p.bins_packed || p.packed_for != bins_version_)) {
-    // Packed with the holes already borrowed, it may fit the arena held now.
-    repack(p);
-    armed_ = fits();
-  }
-  // Adopted at the start of an iteration (by its first requests): the pool holds little now,
-  // so the arena may be obtained at once.
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
-  if (!armed_ && cursor <= kPrefix && cursor > 0 && p.validated) arm();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Stats
-
-std::int64_t PlannedAllocator::arenas_bytes() const {
-  std::int64_t total = 0;
-  for (const auto& a : arenas_) {
-    if (!a->borrowed) total += static_cast<std::int64_t>(a->size);
-  }
-  return total;
-}
-
-void PlannedAllocator::apply_limit() {
-  // The pool gets what the arenas leave of the limit (at least 1 byte: 0 would mean none).
-  if (limit_ == 0) {
-    pool_->set_memory_limit(0);
-    return;
-  }
-  const auto arenas = static_cast<std::size_t>(arenas_bytes());
-  pool_->set_memory_limit(limit_ > arenas ? limit_ - arenas : 1);
-}
-
-void PlannedAllocator::sync_stats() {
-  // Arena blocks in the snapshot's terms: free gaps of an arena with more than one block are
-  // inactive split blocks.
-  std::int64_t split = 0, split_bytes = 0;
-  for (const auto& a : arenas_) {
-    if (a->borrowed || a->ranges.size() + a->gaps > 1) {
-      split += static_cast<std::int64_t>(a->gaps);
-      split_bytes += static_cast<std::int64_t>(a->size - a->occupied);
-    }
-  }
-  for (int t : {kAllPools, kLargePool}) {
-    const auto i = static_cast<std::size_t>(t);
-    const std::int64_t d = split - arena_acc_.inactive_split[i].current;
-    if (d > 0) arena_acc_.inactive_split[i].increase(d);
-    if (d < 0) arena_acc_.inactive_split[i].decrease(-d);
-    const std::int64_t db = split_bytes - arena_acc_.inactive_split_bytes[i].current;
-    if (db > 0) arena_acc_.inactive_split_bytes[i].increase(db);
-    if (db < 0) arena_acc_.inactive_split_bytes[i].decrease(-db);
-  }
-
-  const Stats pool = pool_->stats();
-  for (StatArray Stats::*f : {&Stats::allocation, &Stats::segment, &Stats::active,
-                              &Stats::inactive_split, &Stats::allocated_bytes,
-                              &Stats::reserved_bytes, &Stats::active_bytes,
-                              &Stats::inactive_split_bytes, &Stats::requested_bytes}) {
-    for (std::size_t t = 0; t < 3; ++t) {
-      const Stat& p = (pool.*f)[t];
-      const Stat& lp = (last_pool_.*f)[t];
-      const Stat& a = (arena_acc_.*f)[t];
-      Stat& out = (stats_.*f)[t];
-      out.current = p.current + a.current;
-      out.allocated = p.allocated + a.allocated;
-      out.freed = p.freed + a.freed;
-      // The pool's peak during the last call, with the arenas as they were then (unchanged
-      // during a pool call), is a peak of the sum.
-      std::int64_t candidate = out.current;
-      if (p.peak > lp.peak) candidate = std::max(candidate, p.peak + a.current);
-      out.peak = std::max(out.peak, candidate);
-    }
-  }
-  stats_.oversize_allocations = pool.oversize_allocations;
-  stats_.oversize_segments = pool.oversize_segments;
-  stats_.num_alloc_retries = pool.num_alloc_retries;
-  stats_.num_ooms = pool.num_ooms + ooms_;
-  stats_.num_sync_all_streams = pool.num_sync_all_streams;
-  stats_.num_device_alloc = pool.num_device_alloc + device_allocs_;
-  stats_.num_device_free = pool.num_device_free + device_frees_;
-  stats_.max_split_size = pool.max_split_size;
-  last_pool_ = pool;
-  reserved_hwm_ = std::max(reserved_hwm_, stats_.reserved_bytes[kAllPools].current);
-  live_hwm_ = std::max(live_hwm_, stats_.requested_bytes[kAllPools].current);
-}
-
-std::vector<SegmentInfo> PlannedAllocator::snapshot() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  // An arena's (or a borrowed hole's) blocks: its ranges, and the gaps between them.
-  auto blocks_of = [](const Arena& a, SegmentInfo& s) {
-    std::size_t at = 0;
-    auto gap = [&](std::size_t to) {
-      if (to > at) s.blocks.push_back({a.addr + at, to - at, 0, "inactive"});
-    };
-    for (const auto& [off, r] : a.ranges) {
-      gap(off);
-      BlockInfo b{a.addr + off, r.size, r.allocated ? r.requested : 0,
-                  r.allocated ? "active_allocated" : "active_pending_free"};
-      if (r.allocated) s.allocated_size += r.size;
-      s.active_size += r.size;
-      s.requested_size += b.requested_size;
-      s.blocks.push_back(b);
-      at = off + r.size;
-    }
-    gap(a.size);
-  };
-  std::unordered_map<std::uintptr_t, const Arena*> borrowed;
-  for (const Arena* a : borrowed_) borrowed.emplace(a->addr, a);
-  std::vector<SegmentInfo> out = pool_->snapshot();
-  if (!borrowed.empty()) {
-    for (SegmentInfo& seg : out) {
-      std::vector<BlockInfo> blocks;
-      blocks.swap(seg.blocks);
-      for (const BlockInfo& b : blocks) {
-        auto it = borrowed.find(b.address);
-        if (it == borrowed.end() || b.state != "active_allocated") {
-          seg.blocks.push_back(b);
-          continue;
-        }
-        seg.allocated_size -= b.size;
-        seg.active_size -= b.size;
-        seg.requested_size -= b.requested_size;
-        blocks_of(*it->second, seg);
-      }
-    }
-  }
-  for (const auto& a : arenas_) {
-    if (a->borrowed) continue;
-    SegmentInfo s;
-    s.address = a->addr;
-    s.total_size = a->size;
-    s.stream = a->first_stream;
-    s.segment_type = "large";
-    blocks_of(*a, s);
-    out.push_back(std::move(s));
-  }
-  std::sort(out.begin(), out.end(),
-            [](const SegmentInfo& x, const SegmentInfo& y) { return x.address < y.address; });
-  return out;
+  // Adopted at the start of an iteration (its first kPrefix requests matched a stored plan, as
+  // when shapes alternate or come back): the pool holds little now, so the plan arms at once.
+  // If the rest of the iteration does not follow, the divergence rule disarms it.
+  if (!armed_ && cursor == kPrefix) arm(1);
 }
 
 }  // namespace pymemplan

@@ -3,56 +3,69 @@
 // itself, packs one period's blocks offline into one arena (packing.hpp), and serves the next
 // iterations from the plan, checking each request against it. Everything else — requests
 // before any plan exists, requests that diverge from the plan, blocks that outlive an
-// iteration — goes to an online pool: a CachingAllocator with policy "pymemplan".
+// iteration — goes to the online pool: a CachingAllocator with the "pymemplan-vmm" rules.
+//
+// One pool holds everything. The arena is a segment of that pool (CachingAllocator::
+// create_arena): a virtual range whose pages are mapped only where the plan has placed a block,
+// which best fit never searches; a planned request gets its range through allocate_at, which
+// hands it out only if the range is free now and safe for the stream. Stats, snapshots, the
+// memory limit, the OOM ladder and stream safety (events, record_stream, drains) are therefore
+// the pool's, exactly: a planned block is a block of the pool. Before any plan exists the policy
+// *is* pymemplan-vmm.
 //
 // Design (details at each function in planned.cpp):
-// - Detection. Each allocation is a token (512-rounded size, stream); each free is a token
-//   (number of allocations since the freed one was made). A rolling hash of the last
-//   `match_window` tokens finds earlier places where the same window occurred; each gives a
-//   candidate period P >= min_period. A candidate is scored by its coverage: the share of the
-//   bytes allocated in the last P events whose lifetime is known (freed, or predicted from the
-//   same allocation one period earlier) and at most P (>= 50% to be planned). Confirmed
-//   candidates (the last P events equal the P before) win ties. Detection runs while there is
-//   no plan or the active plan diverged within its last period; a plan is built from the last
-//   P events, so with an optimizer whose state appears in iteration 1 only, the plan of
-//   iteration 1 (its one-off long-lived allocations excluded) serves from iteration 3 on.
+// - Detection. Each allocation is a token (rounded size, stream); each free is a token (number
+//   of allocations since the freed one was made). A rolling hash of the last `match_window`
+//   tokens finds earlier places where the same window occurred (hash chains over the history);
+//   each gives a candidate period P >= min_period. A candidate is scored by its coverage: the
+//   share of the bytes allocated in the last P events whose lifetime is known (freed, or
+//   predicted from the same allocation one period earlier) and at most P (>= 50% to be
+//   planned; scored on a sample, exact for the winner). Confirmed candidates (the last P events
+//   equal the P before) win ties. Detection runs while there is no plan or the active plan
+//   diverged within its last period, at most once per (its work / 32) events; while the plan
+//   matches, the window index is not even updated (it catches up when detection resumes).
 // - Cut. The plan's period is rotated to start where the fewest planned bytes are alive (the
 //   iteration boundary in training); blocks alive across it wrap around the circle. Blocks
 //   living longer than a period (parameters, optimizer state) stay with the pool.
-// - Arming. A plan gets memory at its cut ("boundary"), after a pass in which requests of
-//   less than 1/32 of its arena failed to match it, and only if its bound is >= 20% of the
-//   highest live bytes (periods of repeated layers are not worth an arena). Arming first
-//   returns the pool's cached segments, then borrows the pool's free holes (> 1 MiB) between
-//   its long-lived blocks as bins, packs the plan into those holes first and the rest into one
-//   arena (a device segment), and never raises the highest reserved so far: if it would, the
-//   plan waits. One arena serves all plans (it grows when a larger plan arms).
+// - Packing (packing.hpp) happens only when a plan first arms, since most plans detection makes
+//   (of repeated layers, of iterations seen once) never do. Lifetimes that were unknown when
+//   the plan was made (allocations still alive then) and are known by then are filled in first.
+//   Two variants: all planned blocks (arming at the cut), and all but the first kPrefix slots
+//   (arming when a stored plan is recognised by its first kPrefix requests, which the pool has
+//   served already).
+// - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its
+//   bound failed to match it, or at once when a stored plan is recognised at the start of an
+//   iteration; only if its bound is >= 20% of the highest live bytes (periods of repeated layers
+//   are not worth an arena). Arming gives back what the pool holds beyond its live blocks
+//   (CachingAllocator::trim: unused pages, wholly free segments; arena pages beyond what this
+//   plan needs), and lowers the pool's grow mark to the footprint the plan expects (live pool
+//   pages + arena): from then on memory grows past that only after unused pages, the arena's
+//   idle ones included, went back. The plan is used only if that footprint is at most the
+//   highest reserved so far, or within plan_slack per mille of the highest live bytes; the
+//   packer gives up as soon as it cannot meet that. An armed plan whose pass took memory past
+//   what it was accepted for is dropped at its next cut.
 // - Serving. A cursor walks the plan's allocations. A request that matches the slot at the
-//   cursor (same rounded size and stream) gets bin + offset if that range is free now
-//   (otherwise the pool serves it: memory is never handed out twice). A mismatch looks ahead:
-//   slots of one-off long-lived allocations are skipped freely, planned ones up to
-//   `resync_window`; failing that the request goes to the pool and the pass counts as
-//   diverged (which lets detection re-plan). Mismatched bytes above 1/16 of the arena in a
-//   pass disarm the plan. While no plan is armed, requests are placed in the free gaps of the
-//   arena and borrowed holes first (best fit), so held memory keeps serving. While arenas are
-//   held, the pool may grow past the highest reserved so far only after those gaps are full.
-//   At every boundary of an armed plan the pool's wholly free segments go back to the device.
+//   cursor (same rounded size and stream) gets arena + offset if that range is free and safe
+//   now, otherwise the pool serves it: memory is never handed out twice. A mismatch looks
+//   ahead: slots of one-off long-lived allocations are skipped freely, planned ones up to
+//   `resync_window`; failing that the request goes to the pool and the pass counts as diverged
+//   (which lets detection re-plan). Mismatched bytes above 1/16 of the bound in a pass disarm
+//   the plan (its idle pages go back as the pool needs them). A pass in which slots without a
+//   lifetime went to the pool (more than 1/32 of the bound) makes the plan again from that
+//   pass, where every lifetime is known ("refinement").
 // - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
-//   index it: after a mismatch, the last kPrefix requests select the plan that applies
-//   (alternating shapes); a plan seen again is recognised by its signature and not re-packed.
-// - Streams. A planned slot freed after record_stream waits on events like a pool block. An
-//   arena (or borrowed hole) used by one stream frees ranges without events; the first request
-//   of another stream starts a drain (an event on the first stream) and, from then on, every
-//   freed range waits on an event on its stream before any request may reuse it.
-// - Stats are the pool's plus the arenas' (an arena is a large-pool segment; a borrowed hole's
-//   pool block is replaced by the planned blocks inside it, in stats and snapshot), with the
-//   peaks of the sum tracked here. num_ooms counts requests the caller saw fail.
+//   index it: after a mismatch, or while no plan is armed, the last kPrefix requests select the
+//   plan that applies (alternating shapes, shapes that come back); a plan seen again is
+//   recognised by its signature and not re-packed. One arena serves every plan (a plan needing
+//   more than its size gets a new one; the old one is retired into the pool).
+// - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
+//   trimming can only return wholly free segments of the pool.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,16 +80,20 @@
 
 namespace pymemplan {
 
-// Config keys of "pymemplan-planned" (all keys of "pymemplan" are accepted too and configure
-// the online pool):
+// Config keys of "pymemplan-planned" (all keys of "pymemplan-vmm" are accepted too and
+// configure the pool; vmm:False gives the classic variant):
 //   min_period       shortest period believed, in events (allocs + frees)      default 16
 //   match_window     events that must repeat before a period is considered     default 32
 //   max_period       longest period, in events (history kept: 2x this)         default 65536
 //   max_plans        plans kept (least recently used evicted)                  default 8
 //   resync_window    plan slots searched ahead after a mismatch                default 64
-//   search_rounds    local-search rounds of the packer per plan                default 4
-//                    (each is a full greedy pass, O(blocks^2); on the benchmark traces it did
-//                    not improve on the best of the three greedy orders, so it is kept short)
+//   search_rounds    randomized skyline runs of the packer per plan, after     default 0
+//                    its three deterministic ones (packing.hpp); on resnet50's
+//                    iteration 60 of them take the arena from 1.0066 to 1.0020
+//                    of the bound (0.6 s); a few gain nothing on the benchmark
+//   plan_slack       a plan whose steady footprint is above the highest        default 10
+//                    reserved so far is still used if within this many per
+//                    mille of the highest live bytes
 struct PlannedConfig {
   PolicyConfig pool;
   std::size_t min_period = 16;
@@ -84,7 +101,8 @@ struct PlannedConfig {
   std::size_t max_period = std::size_t{1} << 16;
   std::size_t max_plans = 8;
   std::size_t resync_window = 64;
-  std::size_t search_rounds = 4;
+  std::size_t search_rounds = 0;
+  std::size_t plan_slack = 10;
 
   // Throws AllocatorError naming the bad key or value and listing the valid keys.
   static PlannedConfig parse(const std::string& conf);
@@ -94,7 +112,7 @@ struct PlannedConfig {
 class PlannedAllocator : public Allocator {
  public:
   PlannedAllocator(std::shared_ptr<Device> device, PlannedConfig config);
-  ~PlannedAllocator() override;
+  ~PlannedAllocator() override = default;
   PlannedAllocator(const PlannedAllocator&) = delete;
   PlannedAllocator& operator=(const PlannedAllocator&) = delete;
 
@@ -103,8 +121,8 @@ class PlannedAllocator : public Allocator {
   void free(void* ptr) override;
   void record_stream(void* ptr, StreamId stream) override;
   bool owns(const void* ptr) const override;
-  // Waits for pending frees, returns the pool's wholly free segments and an arena with no
-  // live block (it is obtained again at the next iteration boundary).
+  // The pool's empty_cache; an arena with no live block goes back too (a new one is made
+  // at the next iteration boundary).
   void empty_cache() override;
 
   void set_memory_limit(std::size_t bytes) override;
@@ -116,7 +134,6 @@ class PlannedAllocator : public Allocator {
   void reset_accumulated_stats() override;
   std::vector<SegmentInfo> snapshot() const override;
   std::string last_error() const override;
-  // The pool's rounding; planned blocks are rounded to 512 B.
   std::size_t round_size(std::size_t size) const override;
   std::string policy_name() const override { return "pymemplan-planned"; }
   std::string config_string() const override;
@@ -125,122 +142,92 @@ class PlannedAllocator : public Allocator {
   // Ordinal (0-based, among allocation requests) of the first request served from a plan, or
   // UINT64_MAX if none was.
   std::uint64_t first_planned_request() const override;
-  // Figures about plans for benchmarks and tests: plans, arena_bytes, plan_arena_bytes,
-  // plan_bound_bytes, plan_ratio (arena / bound of the last plan built), planned_requests,
-  // pool_requests, divergences, plans_built, plan_switches, first_planned_request, ...
+  double planning_seconds() const override;
+  // Figures about plans for benchmarks and tests: plan_hits (requests served at their planned
+  // offset), fallbacks (requests the pool served), slot_busy (matched, but the planned range
+  // was not free or not safe for the stream), divergences, plans, plans_built, plan_switches,
+  // arms, arm_refusals, plan_arena_bytes / plan_bound_bytes / plan_ratio (packing of the last
+  // plan built), arena_bytes, arena_mapped_bytes, first_planned_request, ...
   std::vector<std::pair<std::string, double>> plan_stats() const;
+  // The blocks of the last plan built, on its circle of `period` events (start, life, size),
+  // for tests and for studying the packer.
+  std::pair<std::size_t, std::vector<PackBlock>> last_plan_blocks() const;
 
  private:
   static constexpr std::size_t kNoOffset = std::numeric_limits<std::size_t>::max();
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
   static constexpr std::size_t kPrefix = 8;
-  static constexpr std::size_t kArenaBin = std::numeric_limits<std::size_t>::max() - 1;
 
   struct Event {
     std::uint64_t token = 0;
-    std::size_t size = 0;  // allocation: 512-rounded size; free: 0
-    StreamId stream = 0;
     std::uint64_t free_at = kNever;  // allocation: event index of its free
+    std::uint64_t chain = kNever;    // previous end of the window that ends after this event
+    std::size_t size = 0;            // allocation: rounded size; free: 0
+    StreamId stream = 0;
     bool alloc = false;
   };
   struct Slot {
     std::size_t size = 0;
     StreamId stream = 0;
-    std::size_t offset = kNoOffset;  // kNoOffset: outlives the period, served by the pool
+    // Per packing variant (see pack()); kNoOffset: served by the pool (it outlives the period).
+    std::size_t offset[2] = {kNoOffset, kNoOffset};
+    bool planned = false;  // has a block (a lifetime within the period)
     std::size_t time = 0;            // events since the plan's cut
-    std::size_t bin = 0;             // kArenaBin, or an index into borrowed_
   };
   struct Plan {
     std::uint64_t signature = 0;
     std::uint64_t prefix = 0;  // hash of the first kPrefix slots
     std::vector<Slot> slots;
+    std::uint64_t built_at = 0;  // the window it was made from: [built_at - period, built_at)
+    std::size_t cut = 0;         // time of the window where the plan starts
+    std::vector<std::size_t> slot_of_alloc;  // k-th allocation of the window -> its slot
     std::size_t period = 0;  // events
-    std::size_t arena = 0;   // bytes the offsets need
-    std::size_t bound = 0;   // peak of live planned bytes
-    std::uint64_t last_used = 0;
-    bool validated = false;  // a pass over it matched (see kArmShare)
-    std::vector<PackBlock> blocks;        // the planned blocks, for packing into bins
+    // Per packing variant: 0 all planned blocks, 1 all but those of the first kPrefix slots.
+    std::size_t arena[2] = {0, 0};  // bytes the offsets need (once packed)
+    std::size_t bound[2] = {0, 0};  // peak of live planned bytes
+    bool packed[2] = {false, false};  // offsets are computed when the plan first arms
+    std::vector<PackBlock> blocks;        // the planned blocks, on the circle from the cut
     std::vector<std::size_t> slot_block;  // per slot: its block, or kNoOffset
-    std::uint64_t packed_for = kNever;    // bins_version_ the slots' (bin, offset) are for
-    std::size_t need = 0;                 // arena bytes the packing into those bins needs
-    bool bins_packed = false;             // packed with the borrowed holes (else all in the arena)
-  };
-  struct Range {  // an occupied range of an arena
-    std::size_t size = 0;
-    bool allocated = false;  // false: freed, waiting on events
-    int pending_events = 0;
-    std::size_t requested = 0;
-  };
-  struct Arena {
-    std::uintptr_t addr = 0;
-    std::size_t size = 0;
-    std::map<std::size_t, Range> ranges;  // by offset
-    std::size_t gaps = 1;                 // maximal free intervals
-    std::size_t occupied = 0;
-    bool multi_stream = false;
-    StreamId first_stream = 0;
-    bool has_stream = false;
-    bool draining = false;  // became multi-stream; cross-stream reuse waits for this drain
-    // A free hole of the pool, held as a pool block (the pool counts it as reserved; its
-    // allocated/active/requested are replaced by the planned blocks inside).
-    bool borrowed = false;
-    std::size_t requested = 0;  // what was asked of the pool for it
+    std::uint64_t last_used = 0;
+    bool validated = false;            // a pass over it matched (see kArmShare)
+    std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
   };
   struct Live {
-    std::uint64_t id = 0;          // allocation ordinal
-    std::uint64_t event = 0;       // event index of the allocation
-    Arena* arena = nullptr;        // nullptr: the pool's block
-    std::size_t offset = 0;
-    std::size_t size = 0;
-    std::size_t requested = 0;
-    StreamId stream = 0;
-    std::vector<StreamId> uses;    // record_stream
-  };
-  struct Pending {
-    EventHandle event;
-    Arena* arena;
-    std::size_t offset;
+    std::uint64_t id = 0;     // allocation ordinal
+    std::uint64_t event = 0;  // event index of the allocation
+    std::size_t size = 0;     // requested
   };
 
-  void* allocate_locked(std::size_t size, StreamId stream, bool* oom);
-  void free_locked(void* ptr);
-  Slot* match_plan(std::size_t rounded, StreamId stream);
+  void* allocate_locked(std::size_t size, StreamId stream);
+  const Slot* match_plan(std::size_t rounded, StreamId stream, bool* crossed);
   void boundary();
-  bool arm();
+  bool arm(int variant);
   void disarm();
-  bool stream_ok(Arena& a, StreamId stream);
-  void guard(Arena& a, std::size_t offset, StreamId stream);
-  std::size_t best_gap(const Arena& a, std::size_t size) const;
-  bool range_free(const Arena& a, std::size_t off, std::size_t size) const;
-  void occupy(Arena& a, std::size_t off, std::size_t size, std::size_t requested);
-  void release_range(Arena& a, std::size_t off);
-  void maybe_retire(Arena* a);
-  void release_arena(Arena* a);
-  void borrow_holes();
-  bool return_idle_borrowed();
-  bool repack(Plan& p);
-  Arena* bin_arena(const Slot& s) const {
-    return s.bin == kArenaBin ? arena_ : (s.bin < borrowed_.size() ? borrowed_[s.bin] : nullptr);
-  }
-  void* serve_from_gaps(std::size_t rounded, std::size_t size, StreamId stream, Live& l);
-  void offset_pool_stats(const Arena& a, int sign);
-  void process_events();
-  void synchronize_events();
+  // Packs a variant; false (nothing set) if no packing fits in give_up bytes.
+  bool pack(Plan& p, int variant, std::size_t give_up);
+  // The blocks a packing variant places (and the slot of each).
+  std::vector<PackBlock> variant_blocks(const Plan& p, int variant,
+                                        std::vector<std::size_t>* slot_of) const;
+  std::size_t page() const;
 
   std::uint64_t record_event(const Event& e);
   bool should_plan(std::uint64_t n) const;
   std::uint64_t range_hash(std::uint64_t lo, std::uint64_t hi) const;
   const Event& ev(std::uint64_t g) const { return events_[static_cast<std::size_t>(g - base_)]; }
   Event& ev(std::uint64_t g) { return events_[static_cast<std::size_t>(g - base_)]; }
+  void index_windows(std::uint64_t n);
   void detect();
-  double coverage(std::uint64_t n, std::size_t period, std::vector<std::size_t>* lifetimes) const;
-  void build_plan(std::uint64_t n, std::size_t period, const std::vector<std::size_t>& lifetimes);
+  double coverage(std::uint64_t n, std::size_t period, std::vector<std::size_t>* lifetimes,
+                  std::size_t stride = 1) const;
+  // replace: the index of the plan this one replaces (refine()), or kNoOffset for a new one.
+  void build_plan(std::uint64_t n, std::size_t period, const std::vector<std::size_t>& lifetimes,
+                  std::size_t replace = kNoOffset);
+  void refine();
+  // Lifetimes unknown when the plan was made (allocations still alive then) that are known
+  // now: their slots get blocks. Only while the plan's window is in the history.
+  void refresh(Plan& p);
   void adopt(std::size_t plan_index, std::size_t cursor);
   std::uint64_t recent_prefix_hash() const;
-
-  std::int64_t arenas_bytes() const;
-  void sync_stats();
-  void apply_limit();
 
   std::shared_ptr<Device> device_;
   PlannedConfig config_;
@@ -252,47 +239,39 @@ class PlannedAllocator : public Allocator {
   std::vector<std::uint64_t> prefix_;  // prefix_[k]: hash of events [.., base_ + k)
   std::uint64_t base_ = 0;             // global index of events_[0]
   std::uint64_t allocs_ = 0;           // allocation requests so far
-  std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> windows_;  // hash -> ends
+  std::unordered_map<std::uint64_t, std::uint64_t> last_end_;  // window hash -> newest end
+  std::uint64_t indexed_ = 0;          // windows ending at or before this are indexed
   std::uint64_t next_detect_ = 0;
   std::uint64_t recent_[kPrefix] = {};  // last kPrefix allocation tokens (ring)
+  std::int64_t live_bytes_ = 0, live_hwm_ = 0;  // requested bytes
 
   // Plans and serving.
   std::vector<Plan> plans_;
   std::size_t active_ = kNoOffset;  // index into plans_
   std::size_t cursor_ = 0;
+  bool at_cut_ = false;  // the cursor wrapped to the plan's start: boundary() is due
   bool armed_ = false;
-  bool diverged_ = false;            // this pass over the plan saw a mismatch
+  int variant_ = 0;  // the packing variant served
   std::uint64_t last_divergence_ = 0;  // event index
   bool ever_diverged_ = false;
   std::uint64_t pass_matches_ = 0;   // requests matched since the last boundary
   std::size_t pass_miss_bytes_ = 0;  // bytes of requests not matched since then
-  Arena* arena_ = nullptr;           // the current arena
-  std::vector<Arena*> borrowed_;     // holes of the pool held as bins (owned by arenas_)
-  std::uint64_t bins_version_ = 0;   // changes whenever borrowed_ does
-  std::vector<std::unique_ptr<Arena>> arenas_;  // current and retired ones with live blocks
+  std::size_t pass_unplanned_bytes_ = 0;  // bytes of matched slots the plan had no offset for
+  std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
+  std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
+  std::size_t arena_size_ = 0;
   std::unordered_map<std::uintptr_t, Live> live_;
-  std::vector<Pending> pending_;
-  std::vector<EventHandle> event_pool_;
 
   // Figures.
   std::uint64_t first_planned_ = kNever;
-  std::uint64_t gap_requests_ = 0;
-  std::uint64_t planned_requests_ = 0, pool_requests_ = 0, divergences_ = 0;
-  std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0;
+  std::uint64_t plan_hits_ = 0, fallbacks_ = 0, slot_busy_ = 0, divergences_ = 0;
+  std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0, arm_refusals_ = 0;
+  std::uint64_t refinements_ = 0;
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
-  std::uint64_t arm_refusals_ = 0;
-  std::size_t refused_pool_bytes_ = 0, refused_need_bytes_ = 0;  // at the last refusal
-  std::int64_t reserved_hwm_ = 0;  // highest reserved ever (not reset with the peak stats)
-  std::int64_t live_hwm_ = 0;      // highest requested bytes ever
-  std::size_t last_bound_ = 0, last_arena_ = 0;
-
-  // Stats: the pool's plus the arenas', with peaks of the sum tracked here.
-  std::size_t limit_ = 0;
-  Stats stats_;
-  Stats last_pool_;
-  Stats arena_acc_;  // the arenas' counters (current, cumulative)
-  std::int64_t device_allocs_ = 0, device_frees_ = 0, ooms_ = 0;
-  std::string last_error_;
+  std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
+  std::size_t last_held_ = 0, last_footprint_ = 0;  // at the last arming
+  std::vector<PackBlock> last_blocks_;
+  double pack_seconds_ = 0.0;  // time spent packing, in all
 };
 
 }  // namespace pymemplan

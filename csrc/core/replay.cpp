@@ -22,6 +22,7 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   ReplayResult r;
   std::int64_t live_bytes = 0;
   const Stats before = allocator.stats();
+  const double planning_before = allocator.planning_seconds();
   std::uint64_t requests = 0;
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < n; ++i) {
@@ -72,6 +73,7 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   r.device_frees = after.num_device_free - before.num_device_free;
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stop - start).count();
   r.ns_per_event = n ? static_cast<double>(ns) / static_cast<double>(n) : 0.0;
+  r.planning_seconds = allocator.planning_seconds() - planning_before;
   return r;
 }
 

@@ -20,6 +20,7 @@ struct ReplayResult {
   std::int64_t device_frees = 0;
   std::int64_t ooms = 0;         // requests refused at the device's capacity
   double ns_per_event = 0.0;     // wall time of the replay loop per event
+  double planning_seconds = 0.0;  // of which computing plans (plan-guided allocators)
   // Plan-guided allocators: the event at which a plan first served a request (-1: never).
   std::int64_t first_planned_event = -1;
   // With steady_from >= 0: the peaks over events [steady_from, n) only (-1 otherwise).

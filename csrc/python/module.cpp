@@ -177,6 +177,24 @@ PYBIND11_MODULE(_core, m) {
         py::dict d;
         for (const auto& [k, v] : p->plan_stats()) d[py::str(k)] = v;
         return d;
+      })
+      .def("plan_blocks", [](const Allocator& a) {
+        // pymemplan-planned only: the blocks of the last plan built, for tests and the packer.
+        const auto* p = dynamic_cast<const PlannedAllocator*>(&a);
+        if (p == nullptr) throw AllocatorError("plan_blocks: policy " + a.policy_name() + " has no plans");
+        const auto [period, blocks] = p->last_plan_blocks();
+        std::vector<std::size_t> start, life, size;
+        for (const PackBlock& b : blocks) {
+          start.push_back(b.start);
+          life.push_back(b.life);
+          size.push_back(b.size);
+        }
+        py::dict d;
+        d["period"] = period;
+        d["start"] = start;
+        d["life"] = life;
+        d["size"] = size;
+        return d;
       });
 
   // pymemplan-planned's offline packer (packing.hpp), for tests and benchmarks: blocks alive
@@ -184,7 +202,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "pack_blocks",
       [](const std::vector<std::size_t>& start, const std::vector<std::size_t>& life,
-         const std::vector<std::size_t>& size, std::size_t period, std::size_t search_rounds) {
+         const std::vector<std::size_t>& size, std::size_t period, std::size_t search_rounds,
+         std::size_t granule, std::size_t give_up) {
         if (start.size() != life.size() || start.size() != size.size()) {
           throw AllocatorError("pack_blocks: start, life and size differ in length");
         }
@@ -192,7 +211,7 @@ PYBIND11_MODULE(_core, m) {
         for (std::size_t i = 0; i < blocks.size(); ++i) blocks[i] = {start[i], life[i], size[i]};
         PackResult r;
         try {
-          r = pack_blocks(blocks, period, search_rounds);
+          r = pack_blocks(blocks, period, search_rounds, granule, give_up);
         } catch (const std::invalid_argument& e) {
           throw AllocatorError(e.what());
         }
@@ -201,18 +220,19 @@ PYBIND11_MODULE(_core, m) {
         d["arena"] = r.arena;
         d["bound"] = r.bound;
         d["ratio"] = r.ratio();
+        d["runs"] = r.runs;
         return d;
       },
       py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"),
-      py::arg("search_rounds") = 16);
+      py::arg("search_rounds") = 2, py::arg("granule") = 1, py::arg("give_up") = 0);
 
   m.def(
       "fuzz",
       [](std::uint64_t ops, std::uint64_t seed, const std::string& policy,
          const std::string& config, std::size_t capacity, std::size_t limit, int streams,
-         bool manual_events, std::uint64_t full_check_every) {
+         bool manual_events, std::uint64_t full_check_every, bool periodic) {
         FuzzOptions o{ops, seed, policy, config, capacity, limit, streams, manual_events,
-                      full_check_every};
+                      full_check_every, periodic};
         FuzzReport r;
         {
           py::gil_scoped_release release;
@@ -229,11 +249,15 @@ PYBIND11_MODULE(_core, m) {
         d["drains_to_zero"] = r.drains_to_zero;
         d["max_live_blocks"] = r.max_live_blocks;
         d["max_reserved"] = r.max_reserved;
+        d["iterations"] = r.iterations;
+        d["plan_hits"] = r.plan_hits;
+        d["plan_fallbacks"] = r.plan_fallbacks;
         return d;
       },
       py::arg("ops"), py::arg("seed") = 1, py::arg("policy") = "pymemplan",
       py::arg("config") = "", py::arg("capacity") = std::size_t{4} << 30, py::arg("limit") = 0,
       py::arg("streams") = 3, py::arg("manual_events") = true, py::arg("full_check_every") = 1000,
+      py::arg("periodic") = false,
       "Random operations checked against the allocator's invariants; raises on a violation.");
 
   m.def(
@@ -262,6 +286,7 @@ PYBIND11_MODULE(_core, m) {
         d["device_frees"] = r.device_frees;
         d["ooms"] = r.ooms;
         d["ns_per_event"] = r.ns_per_event;
+        d["planning_seconds"] = r.planning_seconds;
         d["first_planned_event"] = r.first_planned_event;
         d["steady_peak_reserved_bytes"] = r.steady_peak_reserved_bytes;
         d["steady_peak_live_bytes"] = r.steady_peak_live_bytes;

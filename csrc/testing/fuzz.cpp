@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../core/allocator_api.hpp"
+#include "../core/planned.hpp"
 #include "../core/stats.hpp"
 #include "../core/errors.hpp"
 #include "../devices/simulated_device.hpp"
@@ -42,17 +43,140 @@ class Fuzzer {
   }
 
   FuzzReport run() {
+    if (o_.periodic) {
+      programs_[0] = make_program();
+      programs_[1] = make_program();
+    }
     for (op_ = 0; op_ < o_.ops; ++op_) {
-      step();
+      if (!o_.periodic) {
+        step();
+      } else if (rng_() % 32 != 0) {
+        periodic_step();
+      } else {
+        periodic_noise();
+      }
       if (o_.full_check_every && op_ % o_.full_check_every == 0) full_check();
       if (op_ % 200000 == 199999) drain_to_zero();
     }
     drain_to_zero();
     r_.ops = o_.ops;
+    if (const auto* planned = dynamic_cast<const PlannedAllocator*>(alloc_.get())) {
+      for (const auto& [k, v] : planned->plan_stats()) {
+        if (k == "plan_hits") r_.plan_hits = static_cast<std::uint64_t>(v);
+        if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);
+      }
+    }
     return r_;
   }
 
  private:
+  // One operation of an iteration program: allocate `size` on `stream` under `key`, or free
+  // the block held under `key` (if it is still held: a free of a key carried over from a
+  // different program finds nothing).
+  struct ProgramOp {
+    bool alloc;
+    std::size_t key;
+    std::size_t size;
+    StreamId stream;
+  };
+  static constexpr std::size_t kCarry = 3;  // blocks freed early in the next iteration
+
+  std::vector<ProgramOp> make_program() {
+    // A training-like iteration: allocations mostly freed in reverse order (activations),
+    // some at once (temporaries), some at the end (gradients), and up to kCarry freed only at
+    // the start of the next iteration. Keys kCarry.. are this iteration's; 0..kCarry-1 carry.
+    std::vector<ProgramOp> ops;
+    const std::size_t n = 8 + rng_() % 56;
+    for (std::size_t c = 0; c < kCarry; ++c) ops.push_back({false, c, 0, 0});
+    std::vector<std::size_t> live;
+    std::uniform_real_distribution<double> exp2(9.0, 24.0);  // 512 B .. 16 MiB
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t key = kCarry + i;
+      const auto size = static_cast<std::size_t>(std::exp2(exp2(rng_))) + rng_() % 512;
+      const StreamId stream = rng_() % 4 == 0 ? rng_() % static_cast<unsigned>(o_.streams) : 0;
+      ops.push_back({true, key, size, stream});
+      live.push_back(key);
+      const auto dice = rng_() % 4;
+      if (dice == 0) {  // a temporary: freed at once
+        ops.push_back({false, key, 0, 0});
+        live.pop_back();
+      } else if (dice == 1 && live.size() > 1) {  // an earlier block dies (reverse order mostly)
+        const std::size_t j = live.size() - 2 - (rng_() % 3 == 0 ? rng_() % (live.size() - 1) : 0);
+        ops.push_back({false, live[j], 0, 0});
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(j));
+      }
+    }
+    // The rest dies at the end, but up to kCarry blocks that live into the next iteration.
+    std::size_t carried = 0;
+    while (!live.empty()) {
+      const std::size_t key = live.back();
+      live.pop_back();
+      if (carried < kCarry && rng_() % 4 == 0) {
+        ops.push_back({true, carried, 1 + rng_() % (1 << 20), 0});  // re-made under a carry key
+        ops.push_back({false, key, 0, 0});
+        ++carried;
+      } else {
+        ops.push_back({false, key, 0, 0});
+      }
+    }
+    return ops;
+  }
+
+  void periodic_step() {
+    if (pc_ == current_.size()) {
+      // The next iteration: the same program mostly; sometimes the other one (alternating
+      // shapes), sometimes a mutated one-off (a divergence: other sizes, or two ops swapped).
+      ++r_.iterations;
+      const auto dice = rng_() % 32;
+      if (dice == 0) which_ = 1 - which_;
+      current_ = programs_[which_];
+      if (dice == 1 || dice == 2) {
+        for (ProgramOp& op : current_) {
+          if (op.alloc && rng_() % 3 == 0) op.size = op.size / 2 + 512;
+        }
+      } else if (dice == 3 && current_.size() > 2) {
+        const std::size_t a = rng_() % current_.size(), b = rng_() % current_.size();
+        std::swap(current_[a], current_[b]);  // may free before allocating: skipped then
+      }
+      pc_ = 0;
+    }
+    const ProgramOp op = current_[pc_++];
+    auto held = keys_.find(op.key);
+    if (op.alloc) {
+      if (held != keys_.end()) return;  // still held (a swap put the free later): skip
+      if (std::uintptr_t p = do_malloc(op.size, op.stream)) {
+        keys_[op.key] = p;
+        key_of_[p] = op.key;
+      }
+    } else if (held != keys_.end()) {
+      do_free(held->second);  // forgets the key too
+    }
+  }
+
+  void periodic_noise() {
+    // Between program operations: what else happens in a training process.
+    const auto dice = static_cast<unsigned>(rng_() % 100);
+    const StreamId stream = rng_() % static_cast<unsigned>(o_.streams);
+    if (dice < 45 && !live_.empty()) {
+      const std::uintptr_t p = random_live();
+      alloc_->record_stream(reinterpret_cast<void*>(p), stream);
+      auto& b = live_.at(p);
+      if (stream != b.stream) b.uses.insert(stream);
+      ++r_.record_streams;
+    } else if (dice < 90) {
+      device_->complete_events(stream, rng_() % 4 == 0);
+    } else if (dice < 95) {
+      do_malloc(random_size(), stream);  // a block outside the programs (freed at random)
+    } else if (dice < 99 && !live_.empty()) {
+      const std::uintptr_t p = random_live();
+      if (key_of_.count(p) == 0) do_free(p);
+    } else {
+      alloc_->empty_cache();
+      expect(device_->pending_events() == 0, "empty_cache left events pending");
+      ++r_.empty_caches;
+    }
+  }
+
   [[noreturn]] void fail(const std::string& what) {
     throw std::logic_error("invariant violated at op " + std::to_string(op_) + " (seed " +
                            std::to_string(o_.seed) + ", policy " + o_.policy + "): " + what);
@@ -95,13 +219,13 @@ class Fuzzer {
     return order_[i];
   }
 
-  void do_malloc(std::size_t size, StreamId stream) {
+  std::uintptr_t do_malloc(std::size_t size, StreamId stream) {
     ++r_.mallocs;
     void* ptr = alloc_->try_malloc(static_cast<std::int64_t>(size), stream);
     if (ptr == nullptr) {
       ++r_.ooms;
       expect(!alloc_->last_error().empty(), "OOM without a message");
-      return;
+      return 0;
     }
     const auto lo = reinterpret_cast<std::uintptr_t>(ptr);
     const std::uintptr_t hi = lo + size;
@@ -133,11 +257,17 @@ class Fuzzer {
     const std::int64_t reserved = s.reserved_bytes[kAllPools].current;
     if (o_.limit) expect(reserved <= static_cast<std::int64_t>(o_.limit), "reserved exceeds limit");
     expect(reserved <= static_cast<std::int64_t>(o_.capacity), "reserved exceeds capacity");
+    expect(device_->used() <= o_.capacity, "physical bytes in use exceed the capacity");
     r_.max_reserved = std::max(r_.max_reserved, reserved);
+    return lo;
   }
 
   void do_free(std::uintptr_t p) {
     ++r_.frees;
+    if (auto k = key_of_.find(p); k != key_of_.end()) {  // a program's block (random frees too)
+      keys_.erase(k->second);
+      key_of_.erase(k);
+    }
     LiveBlock b = live_.at(p);
     const std::uint64_t t = device_->record_count();
     alloc_->free(reinterpret_cast<void*>(p));
@@ -220,9 +350,18 @@ class Fuzzer {
     while (!order_.empty()) do_free(order_.back());
     alloc_->empty_cache();
     const Stats s = alloc_->stats();
-    expect(s.reserved_bytes[kAllPools].current == 0, "reserved not 0 after freeing all + empty_cache");
+    if (s.reserved_bytes[kAllPools].current != 0) {
+      std::string left;  // what is still held, for the report
+      for (const SegmentInfo& seg : alloc_->snapshot()) {
+        left += " segment of " + std::to_string(seg.total_size) + " B (" +
+                std::to_string(seg.blocks.size()) + " blocks)";
+      }
+      fail("reserved not 0 after freeing all + empty_cache:" + left);
+    }
     expect(s.active_bytes[kAllPools].current == 0, "active not 0 after freeing all + empty_cache");
     expect(device_->used() == 0 && device_->live_segments() == 0, "device still holds segments");
+    expect(device_->live_pages() == 0 && device_->mapped_pages() == 0,
+           "a page is still mapped or alive after freeing everything and empty_cache");
     freed_.clear();
     ++r_.drains_to_zero;
   }
@@ -238,6 +377,12 @@ class Fuzzer {
   std::unordered_map<std::uintptr_t, std::size_t> index_;
   std::map<std::uintptr_t, FreedRange> freed_;
   FuzzReport r_;
+  // Periodic mode.
+  std::vector<ProgramOp> programs_[2], current_;
+  std::size_t pc_ = 0;
+  int which_ = 0;
+  std::unordered_map<std::size_t, std::uintptr_t> keys_;  // program key -> block held
+  std::unordered_map<std::uintptr_t, std::size_t> key_of_;
 };
 
 }  // namespace

@@ -19,6 +19,12 @@ struct FuzzOptions {
   int streams = 3;
   bool manual_events = true;         // events complete only when the fuzzer says so
   std::uint64_t full_check_every = 1000;  // snapshot-based recount every this many ops
+  // Periodic mode: most operations replay a random training-like iteration program over and
+  // over (allocations freed within the iteration, a few across its end), switching now and
+  // then to a second program (alternating shapes) or to a mutated one-off iteration (a
+  // divergence); random operations (record_stream, events, extra blocks, empty_cache) are
+  // interleaved. This is what exercises plan serving in pymemplan-planned.
+  bool periodic = false;
 };
 
 struct FuzzReport {
@@ -26,6 +32,9 @@ struct FuzzReport {
   std::uint64_t ooms = 0, full_checks = 0, drains_to_zero = 0;
   std::size_t max_live_blocks = 0;
   std::int64_t max_reserved = 0;
+  std::uint64_t iterations = 0;   // periodic mode: iteration programs run
+  std::uint64_t plan_hits = 0;    // pymemplan-planned: requests served at a planned offset
+  std::uint64_t plan_fallbacks = 0;
 };
 
 // Throws std::logic_error naming the violated invariant, the op index and the seed.

@@ -107,20 +107,37 @@ int main(int argc, char** argv) {
                               {"torch", ""},
                               {"torch", "max_split_size_mb:48,roundup_power2_divisions:4"},
                               {"nocache", ""},
-                              {"pymemplan-planned", ""}};
+                              {"pymemplan-planned", ""},
+                              // periodic: a repeated iteration program, so plans serve requests
+                              {"pymemplan-planned", "periodic"},
+                              {"pymemplan-planned", "periodic min_period:8,match_window:8"},
+                              {"pymemplan-planned", "periodic vmm:False"},
+                              {"pymemplan-planned", "periodic limit"}};
   for (auto& c : configs) {
     try {
       FuzzOptions o;
       o.ops = ops;
       o.policy = c[0];
-      o.config = c[1];
+      std::string conf = c[1];
       o.capacity = std::size_t{2} << 30;
       o.seed = 7;
+      if (conf.rfind("periodic", 0) == 0) {
+        o.periodic = true;
+        o.ops = ops / 4 + 1;  // hundreds of iterations already
+        conf = conf.substr(conf.find(' ') == std::string::npos ? conf.size() : conf.find(' ') + 1);
+        if (conf == "limit") {
+          o.limit = std::size_t{96} << 20;
+          conf.clear();
+        }
+      }
+      o.config = conf;
       FuzzReport r = fuzz(o);
-      std::printf("fuzz %-10s %-48s ops=%llu mallocs=%llu ooms=%llu full_checks=%llu\n", c[0], c[1],
-                  static_cast<unsigned long long>(r.ops), static_cast<unsigned long long>(r.mallocs),
-                  static_cast<unsigned long long>(r.ooms),
-                  static_cast<unsigned long long>(r.full_checks));
+      std::printf("fuzz %-17s %-40s ops=%llu mallocs=%llu ooms=%llu full_checks=%llu plan_hits=%llu\n",
+                  c[0], c[1], static_cast<unsigned long long>(r.ops),
+                  static_cast<unsigned long long>(r.mallocs), static_cast<unsigned long long>(r.ooms),
+                  static_cast<unsigned long long>(r.full_checks),
+                  static_cast<unsigned long long>(r.plan_hits));
+      if (o.periodic) CHECK(r.plan_hits > 0);  // plans served, not only the fallback pool
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fuzz %s %s: %s\n", c[0], c[1], e.what());
       ++failures;
