@@ -226,3 +226,28 @@ def test_top_level_plan_and_lazy_import():
     out = subprocess.run([sys.executable, "-c", "import sys, pymemplan; pymemplan.plan; "
                           "print('torch' in sys.modules)"], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("device, autocast", [("cuda", torch.bfloat16), ("cuda", None),
+                                              ("cpu", torch.bfloat16)])
+def test_module_outputs_line_up_under_device_profile_and_autocast(device, autocast):
+    """The model's forward, re-run to find each unit's outputs, takes the trace's CUDA
+    kernels and autocast, so its ops line up with the trace's and the outputs are exact
+    (not guessed from each unit's last op); a plan is then made as usual."""
+    transformers = pytest.importorskip("transformers")
+    from pymemplan.planner.models import _class_loss
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                  n_positions=256, use_cache=False)
+    with torch.device("meta"):  # nothing allocated
+        model = transformers.GPT2LMHeadModel(cfg)
+        ids = torch.empty(4, 256, dtype=torch.long)
+    t = pymemplan.trace(model, (ids,), loss_fn=_class_loss, device=device,
+                        autocast=autocast, probe_kernels=False)
+    p = t.checkpoint_problem(model, (ids,))
+    assert p.outputs_known and p.cost_model == "flops+bytes"
+    lo, _ = least_peak(p)
+    assert lo < t.peak_bytes
+    pl = t.plan(int(lo + 0.5 * (t.peak_bytes - lo)), model=model, inputs=(ids,))
+    assert pl.recomputed and pl.predicted_peak_bytes <= pl.budget_bytes
+    assert all(m.startswith("transformer.") or m == "lm_head" for m in pl.modules)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import inspect
 import weakref
 from typing import Any, Callable
@@ -191,6 +192,8 @@ class _Recorder:
                 shapes = [tuple(a.shape) for a in flat_in]
                 self.error = (e, name, module, self.phase, shapes)
             raise
+        if func in _batch_norm_ops():
+            out = _mixed_batch_norm_stats(args, out)
 
         on_host = bool(in_keys) and all(k in self.host for k in in_keys)
         used = []
@@ -234,6 +237,40 @@ class _Recorder:
         if self.progress is not None and index % 500 == 0:
             self.progress(self.phase, index)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _batch_norm_ops() -> frozenset:
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset(getattr(getattr(aten, n), o)
+                     for n, o in (("native_batch_norm", "default"),
+                                  ("_native_batch_norm_legit", "default"),
+                                  ("_native_batch_norm_legit", "no_stats"),
+                                  ("_native_batch_norm_legit_functional", "default"),
+                                  ("_batch_norm_with_update", "default"))
+                     if hasattr(aten, n) and hasattr(getattr(aten, n), o))
+
+
+def _mixed_batch_norm_stats(args, out):
+    """Batch norm on an fp16/bf16 input with fp32 weight or running stats (autocast) saves
+    its mean and inverse std in fp32 (CPU: ``param_scalar_type``; CUDA and cuDNN alike),
+    but torch's meta kernel gives them the input's dtype. Correct them, so the saved
+    statistics have their real size and the CPU kernel probe does not run
+    ``native_batch_norm_backward`` on half-size buffers (it reads past them)."""
+    import torch
+
+    x = args[0]
+    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+    if (x.dtype not in (torch.float16, torch.bfloat16)
+            or not any(p.dtype == torch.float32 for p in params)):
+        return out
+    out = list(out)
+    for i in (1, 2):
+        if out[i].dtype != torch.float32:
+            out[i] = torch.empty_like(out[i], dtype=torch.float32)
+    return tuple(out)
 
 
 def _flop_formula(func):

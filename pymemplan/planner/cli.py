@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="rows in the module and tensor tables")
     p.add_argument("--plot", metavar="PNG", help="write a plot of live memory over the step")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="also plan activation checkpointing to fit SIZE (e.g. 6GiB): the "
+                        "modules to recompute, the predicted peak and recompute cost "
+                        "(under 'checkpoint_plan' with --json)")
     p.set_defaults(func=run)
 
 
@@ -95,12 +99,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"pymemplan trace: {e}", file=sys.stderr)
         return 2
     t.graph.meta["workload"] = w.description
+    plan, plan_error, rc = None, None, 0
+    if args.budget is not None:
+        from .checkpoint import BudgetTooSmallError
+
+        try:
+            with err.status(f"planning checkpointing for {args.budget} ...", spinner="dots"):
+                plan = t.plan(args.budget, model=w.model, inputs=w.inputs)
+        except BudgetTooSmallError as e:
+            plan_error = {"error": str(e), "least_peak_bytes": e.least_peak_bytes}
+            rc = 1
+        except PlannerError as e:
+            print(f"pymemplan trace: --budget: {e}", file=sys.stderr)
+            return 2
     if args.plot:
         t.plot(args.plot)
     if args.json:
-        print(t.to_json(top=args.top, timeline=False))
+        if args.budget is None:
+            print(t.to_json(top=args.top, timeline=False))
+        else:
+            import json
+
+            d = t.to_dict(top=args.top, timeline=False)
+            d["checkpoint_plan"] = plan.to_dict() if plan is not None else plan_error
+            print(json.dumps(d, indent=1))
     else:
         t.print(top=args.top)
+        if plan is not None:
+            print()
+            print(plan.summary())
         if args.plot:
             err.print(f"plot written to {args.plot}")
-    return 0
+    if plan_error is not None:
+        print(f"pymemplan trace: --budget: {plan_error['error']}", file=sys.stderr)
+    return rc

@@ -14,9 +14,21 @@ masks. Each module gets its own ``ac_graph_id``, so the boundary between two adj
 recomputed modules stays saved. PyTorch's min-cut partitioner then honours the tags and
 decides the rest itself.
 
-``compiler="aot_eager"`` runs the partitioned graphs as they are (exact, for testing and
-debugging); ``"inductor"`` tags the joint graph through Inductor's ``joint_custom_pre_pass``
-hook and compiles as usual.
+Segments of an ``nn.Sequential`` (``"path[first:last]"``) cover the nodes of those
+children, in the order the traced forward ran them.
+
+The plan is made for the eager step. Compiling saves less for backward (Inductor fuses
+pointwise ops, the min-cut partitioner recomputes cheap ones by itself), so by default
+(``adapt=True``) the backend re-chooses, inside the partitioner where it sees the joint
+graph, the cheapest eager plan whose *compiled* step is predicted to fit the budget: it
+partitions candidate plans for real on a copy of the joint graph and counts what their
+forward graph hands out (see :meth:`CompileBackend._choose`). If the unplanned compiled
+step fits, nothing is recomputed.
+
+``compiler="inductor"`` (the default) installs the partitioner as Inductor's
+``custom_partitioner_fn`` (after Inductor's joint-graph passes) and compiles as usual;
+``"aot_eager"`` runs the partitioned graphs as they are (exact, for testing and
+debugging).
 """
 
 from __future__ import annotations
@@ -34,25 +46,78 @@ def _module_path(fqn: str) -> str:
     return path.lstrip(".")
 
 
-def tag_graph(graph, policies: dict[str, str]) -> int:
+_SEGMENT = re.compile(r"^(.*)\[([^\[\]:]+):([^\[\]:]+)\]$")
+
+
+def _units(policies: dict[str, str], child_order: dict | None = None):
+    """Split plan units into modules (path -> policy) and Sequential segments
+    (Sequential path -> {child name -> unit}). ``child_order``: Sequential path -> its
+    children's names in order (from the trace); without it, numbered children are
+    ordered by number."""
+    modules, segments = {}, {}
+    for unit in policies:
+        m = _SEGMENT.match(unit)
+        if m is None:
+            modules[unit] = unit
+            continue
+        seq, first, last = m.groups()
+        names = list((child_order or {}).get(seq) or [])
+        if first not in names or last not in names:
+            if not (first.isdigit() and last.isdigit()):
+                raise PlannerError(f"cannot place the segment '{unit}' in the compiled "
+                                   f"graph: the order of the children of '{seq}' is unknown; "
+                                   f"give the backend a plan made with model=...")
+            names = [str(k) for k in range(int(first), int(last) + 1)]
+        i, j = names.index(first), names.index(last)
+        for child in names[i:j + 1]:
+            segments.setdefault(seq, {})[child] = unit
+    return modules, segments
+
+
+def child_order(graph) -> dict[str, list]:
+    """Module path -> its children's names, in the order the traced forward ran them."""
+    from ..graph import FORWARD
+
+    out: dict[str, list] = {}
+    for op in graph.ops:
+        if op.phase != FORWARD or not op.module:
+            continue
+        parts = op.module.split(".")
+        for k in range(len(parts)):
+            parent, child = ".".join(parts[:k]), parts[k]
+            kids = out.setdefault(parent, [])
+            if not kids or kids[-1] != child:
+                if child not in kids:
+                    kids.append(child)
+    return out
+
+
+def tag_graph(graph, policies: dict[str, str], order_of_children: dict | None = None) -> int:
     """Tag the forward nodes of ``graph`` (an FX joint graph) that belong to planned
-    modules; returns how many were tagged for recompute."""
+    units (modules, or runs of a Sequential's children); returns how many were tagged
+    for recompute."""
     import torch
     from torch.utils.checkpoint import CheckpointPolicy
 
     from .cost import is_compute_bound
 
     order = {m: k for k, m in enumerate(policies)}
+    modules, segments = _units(policies, order_of_children)
     tagged = 0
     for node in graph.nodes:
         if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
             continue
         stack = node.meta.get("nn_module_stack") or {}
         owner = None
-        for fqn, _cls in stack.values():  # outermost first: the planned module that holds it
+        for fqn, _cls in stack.values():  # outermost first: the planned unit that holds it
             path = _module_path(fqn)
-            if path in policies:
+            if path in modules:
                 owner = path
+                break
+            parent, _, leaf = path.rpartition(".") if "." in path else ("", "", path)
+            unit = segments.get(parent, {}).get(leaf)
+            if unit is not None:
+                owner = unit
                 break
         if owner is None:
             continue
@@ -85,36 +150,320 @@ def _saved_bytes(fw, num_fwd_outputs: int) -> int:
     return total
 
 
+def _saved_storages(fw, num_fwd_outputs: int) -> list:
+    """``(bytes, module path)`` of each new storage the forward graph keeps for backward,
+    once each; graph inputs (parameters, the batch) and views of them cost nothing. The
+    user outputs are left out: the caller drops them once the loss is computed, as in
+    the eager step. The module is the innermost one that made the storage ("" if none)."""
+    import torch
+
+    out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    seen, found = set(), []
+    for n in out.args[0][num_fwd_outputs:]:
+        if not isinstance(n, torch.fx.Node):
+            continue
+        base = n
+        while (base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload)
+               and base.target.is_view and base.args and isinstance(base.args[0], torch.fx.Node)):
+            base = base.args[0]
+        if base.op == "placeholder" or base in seen:
+            continue
+        seen.add(base)
+        v = base.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        try:
+            size = int(v.untyped_storage().nbytes())
+        except Exception:  # no storage to ask (e.g. a sparse or opaque value)
+            size = v.numel() * v.element_size()
+        stack = list((base.meta.get("nn_module_stack") or {}).values())
+        found.append((size, _module_path(stack[-1][0]) if stack else ""))
+    return found
+
+
+def _graph_modules(graph) -> set:
+    """Module paths whose forward ops are in ``graph`` ("" for the top level)."""
+    paths = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+            continue
+        for fqn, _cls in (node.meta.get("nn_module_stack") or {}).values():
+            paths.add(_module_path(fqn))
+    return paths
+
+
+def _inside(module: str, modules) -> bool:
+    return any(module == m or not m or module.startswith(m + ".") for m in modules)
+
+
+def predict_compiled_peak(problem, x, saved: list, modules=None) -> int:
+    """The compiled step's peak with plan ``x``, from the eager one: at every op, the
+    eager activations the model's forward leaves for backward (made in ``modules``, if
+    given; live from the op that made them until eager frees them) are replaced by
+    what the compiled forward saves (``saved``: ``(bytes, module)`` from
+    :func:`_saved_storages`), each saved storage live from the start of its module's
+    forward to the end of its module's backward."""
+    import numpy as np
+
+    from ..capture import OUTSIDE
+    from ..graph import ACTIVATION, BACKWARD, FORWARD
+    from ..timeline import build_timeline
+
+    g = problem.simulated_graph(np.asarray(x, dtype=np.int64))
+    n = max(g.num_ops, 1)
+    mem = build_timeline(g).total.astype(np.int64)
+    end = g.phase_starts.get(BACKWARD, n)
+    diff = np.zeros(n + 1, dtype=np.int64)
+    for t in g.tensors:  # the eager activations
+        if (t.category != ACTIVATION or t.alloc_op < 0 or t.alloc_op >= end or not t.size
+                or t.module == OUTSIDE or (t.freed_before is not None and t.freed_before <= end)
+                or (modules is not None and not _inside(t.module, modules))):
+            continue
+        diff[t.alloc_op] -= t.size
+        diff[min(t.freed_before if t.freed_before is not None else n, n)] += t.size
+    first, last = {}, {}  # module path (and each parent) -> its first forward / last backward op
+    for op in g.ops:
+        if op.module == OUTSIDE or op.phase not in (FORWARD, BACKWARD):
+            continue
+        parts = op.module.split(".") if op.module else []
+        for k in range(len(parts) + 1):
+            key = ".".join(parts[:k])
+            if op.phase == FORWARD:
+                first.setdefault(key, op.index)
+            else:
+                last[key] = op.index
+    for size, module in saved:
+        m = module
+        while m and (m not in last or m not in first):
+            m = m.rpartition(".")[0]
+        diff[min(first.get(m, 0), n)] += size
+        diff[min(last.get(m, n - 1) + 1, n)] -= size
+    return int((mem + np.cumsum(diff[:-1])).max())
+
+
+FUSED_BYTES = 0.1  # share of a memory-bound op's eager cost left when Inductor recomputes it
+
+
+def compiled_costs(problem):
+    """``problem`` with each candidate's recompute cost as the compiled step pays it.
+    Inductor fuses a recomputed memory-bound op (normalisation, activation, residual
+    add) into the backward kernel that reads it, so recomputing it costs little beyond
+    reading its inputs; matmuls, convolutions and attention cost their FLOPs as in eager.
+    The bytes term of every candidate is scaled by ``FUSED_BYTES``; the FLOPs term is
+    kept. The result is cached on the problem."""
+    import dataclasses
+
+    cached = getattr(problem, "_compiled_costs", None)
+    if cached is not None:
+        return cached
+    from .cost import DeviceSpeed
+
+    speed = DeviceSpeed().flops_per_s
+    cands = []
+    for c in problem.candidates:
+        flops_s = (c.flops or 0.0) / speed
+        cands.append(dataclasses.replace(
+            c, cost=flops_s + FUSED_BYTES * max(c.cost - flops_s, 0.0)))
+    fwd = problem.forward_cost  # the fraction is reported against the same forward
+    out = dataclasses.replace(problem, candidates=cands, forward_cost=fwd,
+                              cost_model=problem.cost_model + ", compiled")
+    object.__setattr__(problem, "_compiled_costs", out)
+    return out
+
+
 class CompileBackend:
     """A ``torch.compile`` backend applying ``plan``; see :func:`compile_backend`."""
 
-    def __init__(self, plan, compiler: str = "aot_eager"):
+    def __init__(self, plan, compiler: str = "inductor", adapt: bool = True,
+                 search_steps: int = 4, unplanned_peak_bytes: int | None = None):
         if compiler not in ("aot_eager", "inductor"):
             raise PlannerError(f"compiler={compiler!r}: use 'aot_eager' or 'inductor'")
         self.plan = plan
         self.compiler = compiler
+        self.adapt = adapt and getattr(plan, "problem", None) is not None
+        self.search_steps = search_steps
+        # A measured peak of the compiled step without checkpointing calibrates the
+        # predictions: the compiler's own buffers are not in the eager trace.
+        self.unplanned_peak_bytes = unplanned_peak_bytes
+        self.calibration_bytes = 0  # added to every prediction (measured - predicted)
+        self.chosen = None       # the plan the compiled graphs follow (see _choose)
+        self.predicted_peak_bytes = None  # for the compiled step, when adapted
+        self.trials: list = []   # (eager budget, recompute fraction, predicted compiled peak)
+        self.choose_seconds = 0.0  # spent re-choosing the plan (trial partitions)
         self.tagged = 0          # forward nodes tagged for recompute, over all graphs
-        self.saved_bytes = 0     # bytes the forward graphs save for backward (aot_eager)
+        self.saved_bytes = 0     # bytes the forward graphs save for backward
+        self._children = None    # Sequential path -> children in order, for segments
+        self._graphs = 0
+        self._joint = None       # the first joint graph, untagged, for rechoose()
+        self._calibrated = False
 
-    def _tag(self, graph):
-        self.tagged += tag_graph(graph, self.plan.policies)
+    def _order(self):
+        problem = getattr(self.plan, "problem", None)
+        if self._children is None:
+            self._children = child_order(problem.graph) if problem is not None else {}
+        return self._children
+
+    @staticmethod
+    def _untag(graph):
+        for node in graph.nodes:
+            node.meta.pop("recompute", None)
+            node.meta.pop("ac_graph_id", None)
+
+    def _choose(self, joint, joint_inputs, partitioner, kwargs, plan=None):
+        """The plan to follow in this joint graph (for ``plan``, by default
+        ``self.plan``). Without adaptation, that plan.
+
+        With it (the default), the plan is re-chosen for the compiled step: compiling
+        fuses and recomputes cheap ops by itself, so the graph may save less for
+        backward than the eager step the plan was made for, and a cheaper plan may fit
+        (or, rarely, more, and a tighter one is needed). Each candidate plan (the eager
+        plans for budgets between ``plan``'s and the unplanned peak) is partitioned for
+        real on a copy of the joint graph, and its compiled peak predicted from the
+        eager timeline with the eager activations (what the model's forward leaves for
+        backward) replaced by what the compiled forward saves, op by op
+        (:func:`predict_compiled_peak`). The cheapest plan predicted to fit is chosen,
+        by bisection over the eager budget."""
+        import copy
+
+        import numpy as np
+        import torch
+
+        from .plan import make_plan, BudgetTooSmallError
+
+        plan = plan if plan is not None else self.plan
+        if not self.adapt or self._graphs > 1:
+            return plan  # several graphs (graph breaks): no whole-step view to adapt with
+        p = compiled_costs(plan.problem)
+        budget = plan.budget_bytes
+        modules = _graph_modules(joint.graph)
+
+        def predict(pl):
+            trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
+            self._untag(trial.graph)
+            tag_graph(trial.graph, pl.policies, self._order())
+            fw, _bw = partitioner(trial, joint_inputs, **kwargs)
+            saved = _saved_storages(fw, kwargs.get("num_fwd_outputs", 0))
+            peak = predict_compiled_peak(p, pl.choice, saved, modules) + self.calibration_bytes
+            frac = pl.recompute_cost["fraction_of_forward"]
+            self.trials.append((pl.budget_bytes, frac, int(peak)))
+            return peak
+
+        hi = int(p.base.max())
+        none = make_plan(p, hi)
+        pred_none = predict(none)
+        if self.unplanned_peak_bytes is not None and not self._calibrated:
+            self.calibration_bytes = int(self.unplanned_peak_bytes - pred_none)
+            self._calibrated = True
+            pred_none = int(self.unplanned_peak_bytes)
+            self.trials[-1] = self.trials[-1][:2] + (pred_none,)
+        if pred_none <= budget:
+            self.predicted_peak_bytes = self.trials[-1][2]
+            return none
+        # What compiling saves on the unplanned step bounds what it can save on any plan:
+        # eager budgets beyond budget + that need not be tried.
+        hi = min(hi, budget + max(int(hi - pred_none), 0))
+        try:  # the same budget, priced for the compiled step
+            plan = make_plan(p, budget)
+        except BudgetTooSmallError:
+            pass
+        best, lo = plan, budget
+        pred = predict(plan)
+        if pred > budget:  # the compiled step needs more than the eager one: ask for less
+            target, best_pred = budget, pred
+            for _ in range(self.search_steps):
+                target -= int(pred - budget)
+                try:
+                    tighter = make_plan(p, max(target, 1))
+                except BudgetTooSmallError:
+                    break
+                pred = predict(tighter)
+                if pred < best_pred:
+                    best, best_pred = tighter, pred
+                if pred <= budget:
+                    break
+            self.predicted_peak_bytes = int(best_pred)
+            return best
+        self.predicted_peak_bytes = int(pred)
+        for _ in range(self.search_steps):
+            mid = (lo + hi) // 2
+            if mid <= lo:
+                break
+            pl = make_plan(p, mid)
+            if not np.array_equal(pl.choice, best.choice):
+                pk = predict(pl)
+                if pk > budget:
+                    hi = mid
+                    continue
+                self.predicted_peak_bytes = int(pk)
+                best = pl
+            lo = mid
+        return best
+
+    def _partition(self, partitioner, joint, joint_inputs, **kwargs):
+        import time
+
+        self._graphs += 1
+        t0 = time.perf_counter()
+        if self._graphs == 1 and self.adapt:
+            import copy
+
+            import torch
+
+            self._joint = (torch.fx.GraphModule(joint, copy.deepcopy(joint.graph)),
+                           joint_inputs, partitioner, dict(kwargs))
+        chosen = self._choose(joint, joint_inputs, partitioner, kwargs)
+        self.choose_seconds += time.perf_counter() - t0
+        if self.chosen is None:
+            self.chosen = chosen
+        self.tagged += tag_graph(joint.graph, chosen.policies, self._order())
+        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+        self.saved_bytes += _saved_bytes(fw, kwargs.get("num_fwd_outputs", 0))
+        return fw, bw
+
+    def rechoose(self, plan):
+        """The plan this backend would follow for ``plan`` (made on the same problem,
+        for another budget), on the joint graph it has already compiled: no new
+        compilation. Returns ``(chosen plan, predicted compiled peak)``."""
+        if self._joint is None:
+            raise PlannerError("rechoose() needs a backend that has compiled a graph with "
+                               "adapt=True")
+        joint, joint_inputs, partitioner, kwargs = self._joint
+        graphs, trials, pred = self._graphs, self.trials, self.predicted_peak_bytes
+        self._graphs, self.trials, self.predicted_peak_bytes = 1, [], None
+        try:
+            chosen = self._choose(joint, joint_inputs, partitioner, dict(kwargs), plan)
+            return chosen, self.predicted_peak_bytes
+        finally:
+            self._graphs, self.trials, self.predicted_peak_bytes = graphs, trials, pred
 
     def __call__(self, gm, example_inputs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
         if self.compiler == "inductor":
             import torch._inductor.config as inductor_config
             from torch._inductor.compile_fx import compile_fx
+            from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-            with inductor_config.patch(joint_custom_pre_pass=self._tag):
+            backend = self
+
+            class Partitioner(CustomPartitionerFn):
+                def __call__(self, joint, joint_inputs, **kwargs):
+                    return backend._partition(min_cut_rematerialization_partition, joint,
+                                              joint_inputs, **kwargs)
+
+                def uuid(self):
+                    return None  # the plan is not part of any cache key: never cache
+
+            # No FX graph cache: its key cannot tell one plan from another.
+            with inductor_config.patch(custom_partitioner_fn=Partitioner(),
+                                       fx_graph_cache=False):
                 return compile_fx(gm, example_inputs)
         from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_module_simplified
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         def partition(joint, joint_inputs, **kwargs):
-            self._tag(joint.graph)
-            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            self.saved_bytes += _saved_bytes(fw, kwargs.get("num_fwd_outputs", 0))
-            return fw, bw
+            return self._partition(min_cut_rematerialization_partition, joint, joint_inputs,
+                                   **kwargs)
 
         def nop(g, _inputs):
             return make_boxed_func(g.forward)
@@ -124,12 +473,24 @@ class CompileBackend:
 
 
 def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
-                    compiler: str = "aot_eager", **plan_kwargs) -> CompileBackend:
+                    compiler: str = "inductor", adapt: bool = True,
+                    unplanned_peak_bytes: int | None = None,
+                    **plan_kwargs) -> CompileBackend:
     """A backend for ``torch.compile(model, backend=...)`` that checkpoints as planned.
 
     Give either ``plan`` (from ``pymemplan.plan`` / ``MemoryTrace.plan``), or ``budget``
     with the ``model`` and example ``inputs`` to plan for (``pymemplan.plan`` keywords,
-    e.g. ``loss_fn``, ``optimizer``, ``device``, go in ``plan_kwargs``)."""
+    e.g. ``loss_fn``, ``optimizer``, ``device``, go in ``plan_kwargs``).
+
+    ``compiler``: "inductor" (default) or "aot_eager" (the partitioned graphs run as
+    they are: for tests and debugging). ``adapt``: re-choose the plan for the compiled
+    graph, which saves less than the eager step (see :meth:`CompileBackend._choose`);
+    False follows ``plan`` exactly. ``unplanned_peak_bytes``: the measured peak of the
+    compiled step without checkpointing (e.g. ``pymemplan.planner.measure.measure_step``
+    on ``torch.compile(model)``), if known: the predictions of the compiled peak are
+    shifted by its difference from the predicted one, which covers what the compiler
+    allocates that the eager trace cannot see (layout conversions, fused kernels'
+    buffers)."""
     if plan is None:
         if budget is None or model is None or inputs is None:
             raise PlannerError(
@@ -140,4 +501,4 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
         from . import plan as make
 
         plan = make(model, inputs, budget, **plan_kwargs)
-    return CompileBackend(plan, compiler)
+    return CompileBackend(plan, compiler, adapt, unplanned_peak_bytes=unplanned_peak_bytes)

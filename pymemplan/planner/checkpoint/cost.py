@@ -60,9 +60,13 @@ def module_flops(model, inputs) -> dict[str, float]:
     return forward_facts(model, inputs)[0]
 
 
-def forward_facts(model, inputs, train: bool = True):
+def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autocast=None):
     """Run the model's forward once on fake tensors (nothing computed or allocated) and
-    return ``(flops, outputs, op_names)``:
+    return ``(flops, outputs, op_names)``.
+
+    ``device`` (the traced step's target, whose profile reroutes attention and dropout to
+    the kernels that device runs) and ``autocast`` (a dtype, or its name as the trace's
+    meta records it) reproduce the trace's conditions, so the ops line up with it:
 
     - ``flops``: forward FLOPs per module path, inclusive of submodules ("" = the model);
     - ``outputs``: module path -> ``(op index, bytes)`` of the storages its forward
@@ -72,11 +76,20 @@ def forward_facts(model, inputs, train: bool = True):
     - ``op_names``: the ops in order, so the caller can check that they line up with the
       trace before trusting ``outputs``.
     """
+    import contextlib
+
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
+
+    from ..profile import get_profile, kernel_overrides
+
+    overrides = kernel_overrides(get_profile(device))
+    if isinstance(autocast, str):
+        autocast = getattr(torch, autocast)
 
     def fake_like(t, grad=False):
         f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
@@ -84,15 +97,28 @@ def forward_facts(model, inputs, train: bool = True):
 
     names: list[str] = []
     first: dict[int, int] = {}   # storage address -> index of the op that allocated it
+    # Every storage seen stays referenced until the end, so no address is reused: a
+    # storage freed mid-forward would otherwise hand its address, and its op index, to
+    # a later one. Fake storages hold no memory.
+    alive: list = []
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
-                    first.setdefault(o.untyped_storage()._cdata, len(names))
+                    st = o.untyped_storage()
+                    if st._cdata not in first:
+                        first[st._cdata] = len(names)
+                        alive.append(st)
             names.append(str(func))
             return out
+
+    class Kernels(TorchFunctionMode):
+        """The target device's attention/dropout kernels, as capture routes them."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return overrides.get(func, func)(*args, **(kwargs or {}))
 
     outputs: dict[str, list] = {}
     hooks = []
@@ -123,7 +149,9 @@ def forward_facts(model, inputs, train: bool = True):
             for v in state.values():
                 first[v.untyped_storage()._cdata] = -1
             counter = FlopCounterMode(display=False)
-            with counter, Ops():
+            amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
+                   else contextlib.nullcontext())
+            with counter, Ops(), Kernels(), amp:
                 torch.func.functional_call(model, state, args)
     finally:
         for h in hooks:

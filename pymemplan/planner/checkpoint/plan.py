@@ -58,6 +58,7 @@ class Plan:
     cost_model: str
     note: str = ""
     problem: CheckpointProblem | None = None
+    choice: np.ndarray | None = None   # 0/1 per candidate of ``problem``
 
     @property
     def recompute_cost(self) -> dict:
@@ -198,7 +199,7 @@ def make_plan(p: CheckpointProblem, budget, *, solver: str = "auto",
                 int(p.base.max()), sum(d.recompute_seconds for d in chosen), p.forward_cost,
                 chosen, list(kept.values()),
                 {c: int(a[i]) for c, a in tl.by_category.items()}, p.cost_model,
-                "; ".join(s for s in (sol.note, note) if s), p)
+                "; ".join(s for s in (sol.note, note) if s), p, np.asarray(sol.x))
 
 
 def _is_chain(p: CheckpointProblem) -> bool:

@@ -76,6 +76,9 @@ class CheckpointProblem:
     forward_cost: float              # estimated seconds of the whole forward pass
     cost_model: str                  # "flops+bytes" or "bytes"
     skipped: dict = field(default_factory=dict)   # module -> why it is no candidate
+    # True when each unit's output storages came from the model's forward (lined up with
+    # the trace); False when they were taken to be what the unit's last op made.
+    outputs_known: bool = False
 
     @property
     def n(self) -> int:
@@ -345,7 +348,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
             deltas.append(d)
     delta = np.stack(deltas) if deltas else np.zeros((0, n), dtype=np.int64)
     return CheckpointProblem(g, base, cands, delta, forward_cost,
-                             "flops+bytes" if flops else "bytes", skipped)
+                             "flops+bytes" if flops else "bytes", skipped,
+                             outputs_known=outputs is not None)
 
 
 @dataclass
