@@ -284,3 +284,16 @@ def test_reserved_peak_replays_the_predicted_step_through_allocator_policies():
         t.reserved_peak("torch", capacity="64MiB")
     with pytest.raises(ValueError, match="unknown allocator policy"):
         t.reserved_peak("jemalloc")
+
+
+def test_batch_norm_under_autocast_saves_fp32_statistics():
+    # The CPU kernel keeps mean and inverse std in fp32 for a bf16 input with fp32
+    # weights; the fake kernel would give them the input's dtype (half the bytes).
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64), nn.ReLU())
+    t = pymemplan.trace(model, (torch.randn(2, 3, 16, 16),), loss_fn=lambda o: o.float().mean(),
+                        device="cpu", autocast=torch.bfloat16, probe_kernels=False)
+    stats = [x for x in t.tensors if "batch_norm" in x.op and x.shape == (64,)]
+    assert stats and all(x.dtype == "float32" and x.nbytes == 64 * 4 for x in stats)

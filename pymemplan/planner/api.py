@@ -46,6 +46,20 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     import torch
 
     profile = get_profile(device)
+    inputs, probe_kernels = check_trace_args(model, inputs, profile, autocast=autocast,
+                                             loss_fn=loss_fn, probe_kernels=probe_kernels)
+    g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                autocast=autocast, train=train, progress=progress,
+                probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
+                grad_scaler=grad_scaler)
+    return MemoryTrace(g)
+
+
+def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels):
+    """The checks every traced step shares (plain or sharded). Returns the inputs as a
+    tuple and whether to probe kernels."""
+    import torch
+
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(inputs, torch.Tensor):
@@ -65,11 +79,7 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     if probe_kernels and profile.name != "cpu":
         raise PlannerError(f"probe_kernels=True needs the target device to run kernels on; "
                            f"it works for device='cpu' only, not {profile.name!r}")
-    g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
-                autocast=autocast, train=train, progress=progress,
-                probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
-                grad_scaler=grad_scaler)
-    return MemoryTrace(g)
+    return inputs, probe_kernels
 
 
 def _probe_limit() -> int:

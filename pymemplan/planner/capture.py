@@ -433,6 +433,22 @@ class _ScalerState:
         self.found_inf = None
 
 
+def finish_recording(rec, probes, progress, activations, grads):
+    """Close the record, measure kernel scratch if probing, and mark activations and
+    gradients; returns the probe's statistics (None without a probe)."""
+    rec.close()
+    probe_stats = None
+    if probes is not None:
+        scratch, probe_stats = probes.measure(progress)
+        for i, ws in scratch.items():
+            rec.ops[i].scratch = ws
+    for tid in activations:
+        rec.tensors[tid].category = ACTIVATION
+    for tid in grads:
+        rec.tensors[tid].category = GRADIENT
+    return probe_stats
+
+
 def _backward(loss) -> None:
     """``loss.backward()``, calling the autograd engine directly. Through
     ``Tensor.backward`` the call would enter the torch-function layer, which is switched
@@ -653,16 +669,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                 tid = rec.live.get(_storage_key(f.grad))
                 if tid is not None:
                     grads.add(tid)
-        rec.close()
-        probe_stats = None
-        if probes is not None:
-            scratch, probe_stats = probes.measure(progress)
-            for i, ws in scratch.items():
-                rec.ops[i].scratch = ws
-        for tid in activations:
-            rec.tensors[tid].category = ACTIVATION
-        for tid in grads:
-            rec.tensors[tid].category = GRADIENT
+        probe_stats = finish_recording(rec, probes, progress, activations, grads)
         return StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
                          phase_starts=phase_starts,
                          meta={"model": type(model).__name__, "train": train,

@@ -651,7 +651,7 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
     """
     import torch
 
-    from ..planner.api import MemoryTrace, _probe_limit
+    from ..planner.api import MemoryTrace, _probe_limit, check_trace_args
     from ..planner.profile import get_profile
 
     _check_strategy(strategy, world_size, rank)
@@ -663,22 +663,8 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
                            "traced for sharded strategies: DDP would need no_sync() and FSDP "
                            "set_requires_gradient_sync(False) for the micro-steps before it")
     profile = get_profile(device)
-    if not isinstance(model, torch.nn.Module):
-        raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    elif isinstance(inputs, list):
-        inputs = tuple(inputs)
-    elif not isinstance(inputs, tuple):
-        raise PlannerError(f"inputs must be a tuple of positional arguments for the model's "
-                           f"forward (or a single tensor), got {type(inputs).__name__}")
-    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
-        raise PlannerError(f"autocast={autocast!r}: use None, torch.bfloat16 or torch.float16")
-    if probe_kernels is None:
-        probe_kernels = profile.name == "cpu"
-    if probe_kernels and profile.name != "cpu":
-        raise PlannerError(f"probe_kernels=True needs the target device to run kernels on; "
-                           f"it works for device='cpu' only, not {profile.name!r}")
+    inputs, probe_kernels = check_trace_args(model, inputs, profile, autocast=autocast,
+                                             loss_fn=loss_fn, probe_kernels=probe_kernels)
     if not any(p.requires_grad for p in model.parameters()):
         raise PlannerError("the model has no parameters that require grad: nothing to shard")
     if strategy in ("zero1",) and optimizer is None:
@@ -698,7 +684,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils import _pytree as pytree
 
-    from ..planner.capture import (_check_loss, _describe_inputs, _fake_like,
+    from ..planner.capture import (_check_loss, _describe_inputs, _fake_like, finish_recording,
                                    _function_mode, _to_loss, _untraceable)
     from ..planner.graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD,
                                  GRADIENT, INPUT, OPTIMIZER, OPTIMIZER_STATE, PARAMETER,
@@ -911,16 +897,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
             for t in fp.all_gather_outputs:
                 unsharded[t.untyped_storage()._cdata] = (fp._param_fqn, tuple(fp._orig_size),
                                                          dtype)
-        rec.close()
-        probe_stats = None
-        if probes is not None:
-            scratch, probe_stats = probes.measure(progress)
-            for i, ws in scratch.items():
-                rec.ops[i].scratch = ws
-        for tid in activations:
-            rec.tensors[tid].category = ACTIVATION
-        for tid in grads:
-            rec.tensors[tid].category = GRADIENT
+        probe_stats = finish_recording(rec, probes, progress, activations, grads)
         # FSDP's unsharded parameters: each resize up of an all-gather output's storage.
         for tid, key in rec.resized.items():
             info = rec.tensors[tid]
