@@ -35,7 +35,8 @@ profiler's memory events, ``pymemplan.planner.measure.measure_step``):
     ``nn.Sequential``) its 49 children. The model's own loop over the blocks is kept:
     the first block's call runs ``checkpoint_sequential`` over all of them, with the
     arguments the model passed it, and the others pass their input through;
-  - Rockmate: ``import rockmate`` is attempted; why it does not run is recorded.
+  - Rockmate: ``import rockmate`` is attempted (``--rockmate-path`` for a separate
+    install); why it does not run is recorded.
 - compiled (Inductor, on the CPU):
   - ``pymemplan``: ``torch.compile(model, backend=pymemplan.compile_backend(plan=plan,
     unplanned_peak_bytes=...))``: the plan for the same budget, which the backend
@@ -51,9 +52,9 @@ runs baseline, variant 1, baseline, variant 2, ..., baseline; a variant's ratio 
 time over the mean of the two baseline steps around it, and the median over the
 rounds is reported (``--rounds``, at least; short steps get more rounds, up to 15, until
 the timing has lasted 30 s). Variants that are the same configuration (the same plan,
-segment count or compiled artifact) are timed once. The time is the process's CPU time (all threads),
-because on a shared machine wall time swings with other jobs' load; the same ratio in
-wall time is in the JSON (``wall_time_ratio``). OpenMP threads wait passively
+segment count or compiled artifact) are timed once. The time is the process's CPU
+time (all threads), because on a shared machine wall time swings with other jobs' load;
+the same ratio in wall time is in the JSON (``wall_time_ratio``). OpenMP threads wait passively
 (``OMP_WAIT_POLICY=PASSIVE`` unless set): spinning threads stall, and burn CPU time,
 whenever another job takes a core.
 
@@ -222,9 +223,11 @@ class Variants:
 def block_list(name, model):
     """The model's repeated blocks, in the order its forward runs them, and where."""
     if name == "gpt2":
-        return list(model.transformer.h), f"transformer.h ({len(model.transformer.h)} GPT2Block)"
+        blocks = list(model.transformer.h)
+        return blocks, f"transformer.h ({len(blocks)} GPT2Block)"
     if name == "bert":
-        return list(model.bert.encoder.layer), f"bert.encoder.layer ({len(model.bert.encoder.layer)} BertLayer)"
+        blocks = list(model.bert.encoder.layer)
+        return blocks, f"bert.encoder.layer ({len(blocks)} BertLayer)"
     if name == "resnet50":
         blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4)
                   for b in layer]
@@ -729,6 +732,9 @@ def main():
                     help="eager methods only")
     ap.add_argument("--no-solver-check", dest="solver_check", action="store_false")
     ap.add_argument("--out", default=str(RESULTS / "checkpoint_pareto.json"))
+    ap.add_argument("--rockmate-path", metavar="DIR",
+                    help="a directory Rockmate was installed into (pip install --target DIR "
+                         "rockmate), tried before the environment's own packages")
     ap.add_argument("--report", metavar="JSON",
                     help="run nothing: print the tables and redraw the plot of a results file")
     args = ap.parse_args()
@@ -740,6 +746,8 @@ def main():
         print()
         print(summary_table(doc["results"]))
         return
+    if args.rockmate_path:
+        sys.path.insert(0, args.rockmate_path)
     import torch
 
     def log(msg):

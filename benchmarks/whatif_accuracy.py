@@ -1,7 +1,9 @@
 """How exact is ``pymemplan.advise``? Every row against a real CPU step in its configuration.
 
-    python benchmarks/whatif_accuracy.py               # reduced sizes, ~15 min on 2 cores
+    python benchmarks/whatif_accuracy.py               # reduced sizes: 23 min on 2 busy cores
     python benchmarks/whatif_accuracy.py --markdown    # also print the README tables
+    python benchmarks/whatif_accuracy.py --report --markdown   # tables of the last run
+    python benchmarks/whatif_accuracy.py --models bert --update --sharding skip  # redo one
     python benchmarks/whatif_accuracy.py --scale full  # the planner_accuracy sizes (slow)
     python benchmarks/whatif_accuracy.py --models resnet50 --no-kitsune
     python benchmarks/whatif_accuracy.py 2>/dev/null    # tracebacks aside, stderr is noise
