@@ -17,13 +17,19 @@ decides the rest itself.
 Segments of an ``nn.Sequential`` (``"path[first:last]"``) cover the nodes of those
 children, in the order the traced forward ran them.
 
-The plan is made for the eager step. Compiling saves less for backward (Inductor fuses
-pointwise ops, the min-cut partitioner recomputes cheap ones by itself), so by default
-(``adapt=True``) the backend re-chooses, inside the partitioner where it sees the joint
-graph, the cheapest eager plan whose *compiled* step is predicted to fit the budget: it
-partitions candidate plans for real on a copy of the joint graph and counts what their
-forward graph hands out (see :meth:`CompileBackend._choose`). If the unplanned compiled
-step fits, nothing is recomputed.
+The plan is made for the eager step. A compiled step differs: Inductor fuses pointwise
+ops and the min-cut partitioner recomputes cheap ones by itself, so the forward saves
+less for backward, and a recomputed memory-bound op costs little once fused into the
+backward kernel that reads it. So by default (``adapt=True``) the backend re-chooses,
+inside the partitioner where it sees the joint graph, the cheapest plan whose *compiled*
+step is predicted to fit the budget: plans are priced for the compiled step
+(:func:`compiled_costs`: the bytes term of each recompute cost scaled down, FLOPs kept),
+each candidate plan is partitioned for real on a copy of the joint graph, and the
+compiled peak is predicted from the eager timeline with the eager activations replaced
+by what the compiled forward saves (:func:`predict_compiled_peak`). If the unplanned
+compiled step fits, nothing is recomputed. A measured peak of the unplanned compiled
+step (``unplanned_peak_bytes``) calibrates the predictions for what the compiler
+allocates that the eager trace cannot see.
 
 ``compiler="inductor"`` (the default) installs the partitioner as Inductor's
 ``custom_partitioner_fn`` (after Inductor's joint-graph passes) and compiles as usual;
