@@ -120,7 +120,7 @@ def test_config_keys_are_validated_and_listed():
     assert "min_period:64" in _core.parse_config(POLICY, "min_period:64")
     for bad in ("max_plans:0", "min_period:x", "min_period:-3", "resync_window:", "nope:1",
                 "min_period:100,max_period:50", "max_split_size_mb:3", "garbage",
-                "plan_slack:1001", "search_rounds:-1", "vmm:maybe", "vmm_segment_mb:1"):
+                "plan_slack:1001", "search_rounds:-1", "vmm:maybe", "vmm_segment_mb:1", "holes:2"):
         with pytest.raises(_core.AllocatorError) as e:
             _core.Allocator(d, POLICY, bad)
         with pytest.raises(_core.AllocatorError):
@@ -185,6 +185,50 @@ def test_packing_never_overlaps_in_time_and_space(blocks):
     size = [b[2] * 512 for b in blocks]
     res = _core.pack_blocks(start, life, size, period)
     _check_packing(start, life, size, period, res)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 49), st.integers(1, 50), st.integers(1, 16)),
+                min_size=1, max_size=40),
+       st.lists(st.integers(1, 24), min_size=0, max_size=5))
+def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks, holes):
+    period = 50
+    start, life = [b[0] for b in blocks], [b[1] for b in blocks]
+    size = [b[2] * 512 for b in blocks]
+    hole_sizes = [h * 512 for h in holes]
+    r = _core.fill_holes(start, life, size, period, hole_sizes)
+
+    def overlap_t(i, j):
+        return ((start[j] - start[i]) % period < life[i]) or ((start[i] - start[j]) % period < life[j])
+
+    placed = [i for i, h in enumerate(r["hole"]) if h >= 0]
+    assert r["placed_bytes"] == sum(size[i] for i in placed)
+    for i in placed:
+        assert r["offset"][i] + size[i] <= hole_sizes[r["hole"][i]]
+        for j in placed:
+            if j > i and r["hole"][j] == r["hole"][i] and overlap_t(i, j):
+                a, b = r["offset"][i], r["offset"][j]
+                assert a + size[i] <= b or b + size[j] <= a, (i, j)
+    # Greedy, so maximal: a block left out finds no gap in any hole during its lifetime.
+    for i in set(range(len(blocks))) - set(placed):
+        for h, cap in enumerate(hole_sizes):
+            taken = sorted((r["offset"][j], r["offset"][j] + size[j]) for j in placed
+                           if r["hole"][j] == h and overlap_t(i, j))
+            at = 0
+            for lo, hi in taken:
+                if lo >= at + size[i]:
+                    break
+                at = max(at, hi)
+            assert at + size[i] > cap, (i, h)
+
+
+def test_hole_filling_prefers_blocks_alive_at_the_peak():
+    # Two blocks fit the hole only one at a time; the one alive when live bytes peak wins,
+    # though it is the smaller: it is the one that lowers the arena's bound.
+    r = _core.fill_holes([6, 10, 12], [5, 5, 3], [2048, 1536, 4096], 20, [2048])
+    assert r["hole"] == [-1, 0, -1] and r["placed_bytes"] == 1536
+    with pytest.raises(_core.AllocatorError):
+        _core.fill_holes([20], [1], [512], 20, [512])
 
 
 def test_packing_reaches_the_bound_on_simple_cases():
@@ -307,6 +351,52 @@ def test_finds_the_iteration_after_a_prologue_and_serves_it_within_1_percent():
     s = r.stats()
     assert s["reserved_bytes.all.peak"] <= 1.01 * r.peak_live, s["reserved_bytes.all.peak"] / r.peak_live
     check_invariants(r.alloc, r.device, r.live)
+
+
+def _with_small_saved(it, seed=4):
+    """Each layer also saves a small block (norm statistics, masks) for backward."""
+    rng = random.Random(seed)
+    out = []
+    for op in it:
+        out.append(op)
+        if op[0] == "a" and op[1].startswith("act"):
+            out.append(("a", "small" + op[1][3:], rng.randint(8, 512) * 1024 + 100, op[3]))
+        if op[0] == "f" and op[1].startswith("act"):
+            out.append(("f", "small" + op[1][3:]))
+    return out
+
+
+def test_holes_of_pages_kept_by_optimizer_state_serve_the_plan():
+    """The first step also creates optimizer state: small blocks that live on, allocated after
+    backward, so they land on the pages of the iteration's freed activations. Once the plan
+    moves the iteration into its arena, those pages stay mapped for the state alone; the plan
+    puts its small blocks into their free parts (holes) and needs less memory than without."""
+    peaks = {}
+    for holes in (1, 0):
+        r = Runner(config=f"holes:{holes}")
+        run_prologue(r)
+        it = _with_small_saved(make_iteration(3, scale=4))
+        k = next(i for i, op in enumerate(it) if op[0] == "f" and op[1].startswith("grad"))
+        rng = random.Random(5)
+        state = [("a", f"state{i}", rng.randint(1, 600) * 1024 + rng.randint(0, 511), 0)
+                 for i in range(60)]
+        r.run(it[:k] + state + it[k:], 0)
+        for key in [key for key in r.ptr if key[1].startswith("state")]:
+            r.ptr[("persist", key[1])] = r.ptr.pop(key)
+        for i in range(1, 5):
+            r.run(it, i)
+        r.reset_peaks()
+        before = r.plan()
+        for i in range(5, 9):
+            r.run(it, i, check_every=23)
+        ps = r.plan()
+        assert ps["arms"] >= 1 and ps["slot_busy"] == before["slot_busy"]
+        assert ps["plan_hits"] - before["plan_hits"] >= 4 * sum(op[0] == "a" for op in it) * 0.95
+        assert (ps["plan_hole_bytes"] > 0) == bool(holes)
+        check_invariants(r.alloc, r.device, r.live)
+        peaks[holes] = r.stats()["reserved_bytes.all.peak"]
+        assert peaks[holes] <= 1.01 * r.peak_live
+    assert peaks[1] < peaks[0], peaks
 
 
 def test_steady_state_makes_no_driver_calls():
@@ -661,3 +751,14 @@ def test_planned_policy_over_the_fake_driver_with_faults():
         assert fake.fakecuda_bytes_in_use(0) == 0 and stats()["reserved_bytes.all.current"] == 0
         assert fake.fakecuda_live_handles(0) == 0 and fake.fakecuda_live_mappings() == 0
     """, policy=POLICY, config="oom_action:null,min_period:8,match_window:8")
+
+
+@pytest.mark.parametrize("seed,streams,limit", [(11, 1, 0), (12, 3, 0), (13, 3, 1 << 30)])
+def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams, limit):
+    """The C++ fuzzer's periodic mode: training-like programs with divergences, alternating
+    shapes, blocks outside the programs (they keep pages mapped: holes), record_stream, events
+    completing late, empty_cache and a memory limit. Every invariant is checked as it runs
+    (it raises on a violation); the long runs are benchmarks/fuzz_allocator.py's."""
+    r = _core.fuzz(30000, seed, POLICY, "", 4 << 30, limit, streams, True, 1000, True)
+    assert r["mallocs"] == r["frees"] > 0
+    assert r["plan_hits"] > 0 and r["plan_hole_hits"] > 0, r

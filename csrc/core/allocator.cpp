@@ -887,12 +887,21 @@ std::uintptr_t CachingAllocator::create_arena(std::size_t bytes) {
 
 Block* CachingAllocator::free_run(const Segment* seg, std::uintptr_t lo, std::uintptr_t hi,
                                   StreamId stream, StreamId* foreign) {
-  Block probe;
-  probe.addr = lo;
-  auto it = arena_free_.upper_bound(&probe);
-  if (it == arena_free_.begin()) return nullptr;
-  Block* first = *std::prev(it);
-  if (first->segment != seg || first->addr + first->size <= lo) return nullptr;
+  Block* first = nullptr;
+  if (seg->arena) {
+    Block probe;
+    probe.addr = lo;
+    auto it = arena_free_.upper_bound(&probe);
+    if (it == arena_free_.begin()) return nullptr;
+    first = *std::prev(it);
+  } else {
+    // A hole in a pool segment: its free blocks are listed by size, so walk the segment.
+    for (first = seg->head; first != nullptr && first->addr + first->size <= lo;) first = first->next;
+  }
+  if (first == nullptr || first->segment != seg || first->addr > lo ||
+      first->addr + first->size <= lo) {
+    return nullptr;
+  }
   for (Block* b = first;; b = b->next) {
     // Free neighbours of different owners stay apart, so a range may span several blocks.
     if (b == nullptr || !b->listed) return nullptr;
@@ -916,8 +925,59 @@ void* CachingAllocator::allocate_at(std::uintptr_t arena, std::size_t offset, st
   if (offset % kMinBlockSize != 0 || offset > seg->size || rounded > seg->size - offset) {
     return nullptr;
   }
+  return allocate_range(seg, seg->addr + offset, rounded, requested, stream);
+}
+
+void* CachingAllocator::allocate_in_hole(std::uintptr_t addr, std::size_t rounded,
+                                         std::int64_t requested, StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (requested <= 0 || rounded % kMinBlockSize != 0 ||
+      rounded < static_cast<std::size_t>(requested)) {
+    throw AllocatorError("allocate_in_hole: invalid size " + std::to_string(requested) +
+                         " (rounded " + std::to_string(rounded) + ")");
+  }
+  auto it = segments_.upper_bound(addr);
+  if (it == segments_.begin() || addr % kMinBlockSize != 0) return nullptr;
+  Segment* seg = std::prev(it)->second;
+  if (!seg->vmm || seg->arena || addr - seg->addr > seg->size ||
+      rounded > seg->size - (addr - seg->addr)) {
+    return nullptr;
+  }
+  return allocate_range(seg, addr, rounded, requested, stream);
+}
+
+std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_holes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> out;
+  const std::size_t page = device_->granularity();
+  for (const auto& [addr, seg] : segments_) {
+    if (!seg->vmm || seg->arena) continue;
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->listed) continue;
+      // Split the free block at the pages no block in use touches (or not mapped).
+      std::uintptr_t run = 0;
+      const std::uintptr_t end = b->addr + b->size;
+      for (std::uintptr_t x = b->addr; x < end;) {
+        const std::size_t i = (x - seg->addr) / page;
+        const std::uintptr_t next = std::min<std::uintptr_t>(end, seg->addr + (i + 1) * page);
+        const bool kept = seg->pages[i] != 0 && seg->users[i] != 0;
+        if (kept && run == 0) run = x;
+        if (!kept && run != 0) {
+          out.emplace_back(run, x - run);
+          run = 0;
+        }
+        x = next;
+      }
+      if (run != 0) out.emplace_back(run, end - run);
+    }
+  }
+  return out;
+}
+
+void* CachingAllocator::allocate_range(Segment* seg, std::uintptr_t lo, std::size_t rounded,
+                                       std::int64_t requested, StreamId stream) {
   process_events();
-  const std::uintptr_t lo = seg->addr + offset, hi = lo + rounded;
+  const std::uintptr_t hi = lo + rounded;
   Block* b = nullptr;
   for (int attempt = 0; b == nullptr; ++attempt) {
     StreamId foreign = kAnyStream;

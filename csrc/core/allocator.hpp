@@ -92,6 +92,15 @@ class CachingAllocator : public Allocator {
   // caller falls back to malloc. Throws AllocatorError for an address that is not an arena.
   void* allocate_at(std::uintptr_t arena, std::size_t offset, std::size_t rounded,
                     std::int64_t requested, StreamId stream);
+  // Free space that costs no memory: the free parts of mapped pages that a block in use also
+  // touches (virtual segments of the pool, arenas excepted), as (address, bytes) ranges. A
+  // plan places blocks there (allocate_in_hole) before it sizes its arena.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> page_holes() const;
+  // As allocate_at, at an absolute address inside a virtual segment of the pool (not an arena):
+  // nullptr, with nothing changed, unless [addr, addr + rounded) is free now and safe for
+  // `stream`, or if no such segment holds it.
+  void* allocate_in_hole(std::uintptr_t addr, std::size_t rounded, std::int64_t requested,
+                         StreamId stream);
   // The arena becomes an ordinary segment: its free space serves best fit, and it goes back
   // to the device once wholly free (at once if it is now).
   void retire_arena(std::uintptr_t arena);
@@ -152,12 +161,15 @@ class CachingAllocator : public Allocator {
   // `b` is free and listed nowhere: it keeps [addr, at); the returned block, with the same
   // owner, gets [at, end).
   Block* split(Block* b, std::uintptr_t at);
-  // The first free block of a run of listed free blocks covering [lo, hi) in the arena `seg`,
+  // The first free block of a run of listed free blocks covering [lo, hi) in the segment `seg`,
   // all usable by `stream`; nullptr if there is none (`*foreign`: the owner stream that is
   // in the way, if that is the only reason).
   Block* free_run(const Segment* seg, std::uintptr_t lo, std::uintptr_t hi, StreamId stream,
                   StreamId* foreign);
   Segment* arena_segment(std::uintptr_t arena) const;
+  // allocate_at / allocate_in_hole once the segment is known; the caller holds the lock.
+  void* allocate_range(Segment* seg, std::uintptr_t lo, std::size_t rounded,
+                       std::int64_t requested, StreamId stream);
   void start_drain(StreamId owner);
   void free_block(Block* block);
   Block* merge(Block* first, Block* second);

@@ -259,4 +259,78 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
   return r;
 }
 
+HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
+                    const std::vector<std::size_t>& hole_sizes) {
+  HoleFill r;
+  r.hole.assign(blocks.size(), HoleFill::kNone);
+  r.offset.assign(blocks.size(), 0);
+  if (blocks.empty() || hole_sizes.empty() || period == 0) return r;
+  // The time of the peak of live bytes.
+  std::vector<long long> delta(period + 1, 0);
+  for (const PackBlock& b : blocks) {
+    const auto sz = static_cast<long long>(b.size);
+    const std::size_t end = b.start + b.life;
+    delta[b.start] += sz;
+    if (end <= period) {
+      delta[end] -= sz;
+    } else {
+      delta[period] -= sz;
+      delta[0] += sz;
+      delta[end - period] -= sz;
+    }
+  }
+  std::size_t peak_t = 0;
+  long long live = 0, peak = -1;
+  for (std::size_t t = 0; t < period; ++t) {
+    live += delta[t];
+    if (live > peak) {
+      peak = live;
+      peak_t = t;
+    }
+  }
+  const PackBlock at_peak{peak_t, 1, 0};
+  std::size_t largest_hole = 0;
+  for (std::size_t h : hole_sizes) largest_hole = std::max(largest_hole, h);
+  std::vector<std::size_t> order;
+  std::vector<char> hot(blocks.size(), 0);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i].size == 0 || blocks[i].size > largest_hole) continue;
+    hot[i] = lifetimes_overlap(blocks[i], at_peak, period) ? 1 : 0;
+    order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    if (hot[a] != hot[b]) return hot[a] > hot[b];
+    return blocks[a].size > blocks[b].size;
+  });
+  std::vector<std::size_t> holes(hole_sizes.size());
+  std::iota(holes.begin(), holes.end(), std::size_t{0});
+  std::stable_sort(holes.begin(), holes.end(),
+                   [&](std::size_t a, std::size_t b) { return hole_sizes[a] < hole_sizes[b]; });
+  std::vector<std::vector<std::size_t>> in_hole(hole_sizes.size());
+  std::vector<std::pair<std::size_t, std::size_t>> taken;  // (offset, end) of conflicting blocks
+  for (std::size_t i : order) {
+    const PackBlock& b = blocks[i];
+    for (std::size_t h : holes) {
+      if (hole_sizes[h] < b.size) continue;
+      taken.clear();
+      for (std::size_t j : in_hole[h]) {
+        if (lifetimes_overlap(b, blocks[j], period)) taken.emplace_back(r.offset[j], r.offset[j] + blocks[j].size);
+      }
+      std::sort(taken.begin(), taken.end());
+      std::size_t at = 0;  // the lowest gap that fits
+      for (const auto& [lo, hi] : taken) {
+        if (lo >= at + b.size) break;
+        at = std::max(at, hi);
+      }
+      if (at + b.size > hole_sizes[h]) continue;
+      r.hole[i] = h;
+      r.offset[i] = at;
+      r.placed_bytes += b.size;
+      in_hole[h].push_back(i);
+      break;
+    }
+  }
+  return r;
+}
+
 }  // namespace pymemplan

@@ -61,4 +61,19 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
                        std::size_t search_rounds = 2, std::size_t granule = 1,
                        std::size_t give_up = 0);
 
+// Holes: address ranges [0, size) free for the whole period, outside the arena. In the
+// allocator they are the free parts of pages that long-lived blocks keep mapped anyway; a block
+// placed in one costs no memory. Greedy: blocks alive at the peak of live bytes first (moving
+// them lowers the bound the arena is measured against), larger first; each goes to the smallest
+// hole where it fits at the lowest offset not used, during its lifetime, by the blocks placed
+// in that hole before it. Sizes (block and hole) should be multiples of the caller's alignment.
+struct HoleFill {
+  static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
+  std::vector<std::size_t> hole;    // per block: its hole, or kNone (it goes to the arena)
+  std::vector<std::size_t> offset;  // per block placed in a hole: its offset inside it
+  std::size_t placed_bytes = 0;
+};
+HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
+                    const std::vector<std::size_t>& hole_sizes);
+
 }  // namespace pymemplan

@@ -82,6 +82,7 @@ constexpr PlannedKey kPlannedKeys[] = {
     {"resync_window", &PlannedConfig::resync_window, 0, std::size_t{1} << 20},
     {"search_rounds", &PlannedConfig::search_rounds, 0, 100000},
     {"plan_slack", &PlannedConfig::plan_slack, 0, 1000},
+    {"holes", &PlannedConfig::holes, 0, 1},
 };
 
 std::string planned_keys() {
@@ -286,6 +287,8 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("plan_arena_bytes", num(last_arena_));
   put("plan_bound_bytes", num(last_bound_));
   put("plan_ratio", last_ratio_);
+  put("plan_hole_bytes", num(last_hole_bytes_));
+  put("hole_hits", num(hole_hits_));
   put("pack_seconds", pack_seconds_);
   put("arm_held_bytes", num(last_held_));
   put("arm_footprint_bytes", num(last_footprint_));
@@ -345,11 +348,16 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   }
 
   void* out = nullptr;
-  if (slot != nullptr && armed_ && arena_ != 0 && slot->offset[variant_] != kNoOffset) {
-    out = pool_->allocate_at(arena_, slot->offset[variant_], rounded, static_cast<std::int64_t>(size),
-                             stream);
+  const bool in_arena = slot != nullptr && armed_ && arena_ != 0 && slot->offset[variant_] != kNoOffset;
+  const bool in_hole = slot != nullptr && armed_ && slot->hole[variant_] != 0;
+  if (in_arena || in_hole) {
+    out = in_arena ? pool_->allocate_at(arena_, slot->offset[variant_], rounded,
+                                        static_cast<std::int64_t>(size), stream)
+                   : pool_->allocate_in_hole(slot->hole[variant_], rounded,
+                                             static_cast<std::int64_t>(size), stream);
     if (out != nullptr) {
       ++plan_hits_;
+      if (in_hole && !in_arena) ++hole_hits_;
       if (first_planned_ == kNever) first_planned_ = id;
     } else {
       ++slot_busy_;
@@ -494,24 +502,53 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   // layers, of iterations seen once) that never do. Variant 1 leaves out the first kPrefix
   // slots: it serves a pass whose first requests the pool served already (the plan was
   // recognised by them), so no room is kept for them.
+  // Blocks first go to the holes of the pool (free parts of pages kept mapped by blocks that
+  // outlive the period: parameters, optimizer state), which cost no memory; the rest to the
+  // arena. The holes are those of now, so a plan using them is packed again at each arming.
+  // Taking blocks out can make the rest pack worse: failing within give_up, the plan is
+  // packed without holes.
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::size_t> slot_of;
-  const std::vector<PackBlock> blocks = variant_blocks(p, v, &slot_of);
-  const PackResult packed = pack_blocks(blocks, p.period, config_.search_rounds, page(), give_up);
-  pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  last_bound_ = packed.bound;
-  if (packed.offsets.size() != blocks.size()) {
-    last_arena_ = 0;  // no packing within give_up
-    last_ratio_ = 0.0;
-    return false;
+  const std::vector<PackBlock> all = variant_blocks(p, v, &slot_of);
+  const auto holes = config_.holes != 0 ? pool_->page_holes()
+                                         : std::vector<std::pair<std::uintptr_t, std::size_t>>{};
+  std::vector<std::size_t> hole_sizes;
+  for (const auto& h : holes) hole_sizes.push_back(h.second);
+  bool done = false;
+  for (const bool use_holes : {true, false}) {
+    if (done || (!use_holes && hole_sizes.empty())) continue;
+    const HoleFill fill = fill_holes(all, p.period, use_holes ? hole_sizes : std::vector<std::size_t>{});
+    std::vector<PackBlock> blocks;
+    std::vector<std::size_t> arena_slot;
+    for (std::size_t k = 0; k < all.size(); ++k) {
+      if (fill.hole[k] != HoleFill::kNone) continue;
+      blocks.push_back(all[k]);
+      arena_slot.push_back(slot_of[k]);
+    }
+    const PackResult packed = pack_blocks(blocks, p.period, config_.search_rounds, page(), give_up);
+    last_bound_ = packed.bound;
+    if (packed.offsets.size() != blocks.size()) continue;  // no packing within give_up
+    for (std::size_t k = 0; k < all.size(); ++k) {
+      Slot& slot = p.slots[slot_of[k]];
+      slot.offset[v] = kNoOffset;
+      slot.hole[v] = fill.hole[k] == HoleFill::kNone ? 0 : holes[fill.hole[k]].first + fill.offset[k];
+    }
+    for (std::size_t k = 0; k < arena_slot.size(); ++k) p.slots[arena_slot[k]].offset[v] = packed.offsets[k];
+    p.holes[v] = fill.placed_bytes != 0;
+    p.arena[v] = packed.arena;
+    p.bound[v] = live_bound(all, p.period);
+    p.packed[v] = true;
+    last_hole_bytes_ = fill.placed_bytes;
+    last_arena_ = packed.arena;
+    last_ratio_ = packed.ratio();
+    done = true;
   }
-  for (std::size_t k = 0; k < slot_of.size(); ++k) p.slots[slot_of[k]].offset[v] = packed.offsets[k];
-  p.arena[v] = packed.arena;
-  p.bound[v] = packed.bound;
-  p.packed[v] = true;
-  last_arena_ = packed.arena;
-  last_ratio_ = packed.ratio();
-  return true;
+  pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!done) {
+    last_arena_ = 0;
+    last_ratio_ = 0.0;
+  }
+  return done;
 }
 
 bool PlannedAllocator::arm(int v) {
@@ -545,9 +582,17 @@ bool PlannedAllocator::arm(int v) {
     ++arm_refusals_;
     return false;
   };
-  if (held + at_least > limit) return refuse();  // not even with a perfect packing
-  // The packer gives up on a run as soon as it needs more than the limit leaves.
-  if (!p.packed[v] && !pack(p, v, (limit - held) / page() * page())) return refuse();
+  // Not even with a perfect packing, holes of the pool filled to the last byte.
+  std::size_t hole_bytes = 0;
+  if (config_.holes != 0) {
+    for (const auto& h : pool_->page_holes()) hole_bytes += h.second;
+  }
+  if (held + (at_least > hole_bytes ? round_up(at_least - hole_bytes, page()) : 0) > limit) {
+    return refuse();
+  }
+  // The packer gives up on a run as soon as it needs more than the limit leaves. Holes are
+  // those of now: a plan that used some is packed again.
+  if ((!p.packed[v] || p.holes[v]) && !pack(p, v, (limit - held) / page() * page())) return refuse();
   const std::size_t need = round_up(p.arena[v], page());
   const std::size_t footprint = held + need;
   last_footprint_ = footprint;

@@ -94,6 +94,9 @@ namespace pymemplan {
 //   plan_slack       a plan whose steady footprint is above the highest        default 10
 //                    reserved so far is still used if within this many per
 //                    mille of the highest live bytes
+//   holes            1: blocks of a plan go first to the free parts of pages      default 1
+//                    that blocks outliving the period keep mapped (packing.hpp
+//                    fill_holes); 0: everything to the arena
 struct PlannedConfig {
   PolicyConfig pool;
   std::size_t min_period = 16;
@@ -103,6 +106,7 @@ struct PlannedConfig {
   std::size_t resync_window = 64;
   std::size_t search_rounds = 0;
   std::size_t plan_slack = 10;
+  std::size_t holes = 1;
 
   // Throws AllocatorError naming the bad key or value and listing the valid keys.
   static PlannedConfig parse(const std::string& conf);
@@ -144,7 +148,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t first_planned_request() const override;
   double planning_seconds() const override;
   // Figures about plans for benchmarks and tests: plan_hits (requests served at their planned
-  // offset), fallbacks (requests the pool served), slot_busy (matched, but the planned range
+  // offset; hole_hits of them in a hole of the pool), fallbacks (requests the pool served), slot_busy (matched, but the planned range
   // was not free or not safe for the stream), divergences, plans, plans_built, plan_switches,
   // arms, arm_refusals, plan_arena_bytes / plan_bound_bytes / plan_ratio (packing of the last
   // plan built), arena_bytes, arena_mapped_bytes, first_planned_request, ...
@@ -171,6 +175,9 @@ class PlannedAllocator : public Allocator {
     StreamId stream = 0;
     // Per packing variant (see pack()); kNoOffset: served by the pool (it outlives the period).
     std::size_t offset[2] = {kNoOffset, kNoOffset};
+    // Per packing variant: an address in a hole of the pool (free space of pages that blocks
+    // living longer than a period keep mapped) instead of an offset in the arena; 0: none.
+    std::uintptr_t hole[2] = {0, 0};
     bool planned = false;  // has a block (a lifetime within the period)
     std::size_t time = 0;            // events since the plan's cut
   };
@@ -186,6 +193,7 @@ class PlannedAllocator : public Allocator {
     std::size_t arena[2] = {0, 0};  // bytes the offsets need (once packed)
     std::size_t bound[2] = {0, 0};  // peak of live planned bytes
     bool packed[2] = {false, false};  // offsets are computed when the plan first arms
+    bool holes[2] = {false, false};   // some blocks went to holes: packed again at each arming
     std::vector<PackBlock> blocks;        // the planned blocks, on the circle from the cut
     std::vector<std::size_t> slot_block;  // per slot: its block, or kNoOffset
     std::uint64_t last_used = 0;
@@ -264,11 +272,13 @@ class PlannedAllocator : public Allocator {
 
   // Figures.
   std::uint64_t first_planned_ = kNever;
+  std::uint64_t hole_hits_ = 0;  // plan hits served in a hole of the pool
   std::uint64_t plan_hits_ = 0, fallbacks_ = 0, slot_busy_ = 0, divergences_ = 0;
   std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0, arm_refusals_ = 0;
   std::uint64_t refinements_ = 0;
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
+  std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes
   std::size_t last_held_ = 0, last_footprint_ = 0;  // at the last arming
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all

@@ -226,6 +226,36 @@ PYBIND11_MODULE(_core, m) {
       py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"),
       py::arg("search_rounds") = 2, py::arg("granule") = 1, py::arg("give_up") = 0);
 
+  // The hole filler of pymemplan-planned (packing.hpp): blocks placed into fixed free ranges.
+  m.def(
+      "fill_holes",
+      [](const std::vector<std::size_t>& start, const std::vector<std::size_t>& life,
+         const std::vector<std::size_t>& size, std::size_t period,
+         const std::vector<std::size_t>& holes) {
+        if (start.size() != life.size() || start.size() != size.size()) {
+          throw AllocatorError("fill_holes: start, life and size differ in length");
+        }
+        std::vector<PackBlock> blocks(start.size());
+        for (std::size_t i = 0; i < blocks.size(); ++i) {
+          if (start[i] >= period || life[i] == 0 || life[i] > period) {
+            throw AllocatorError("fill_holes: block " + std::to_string(i) +
+                                 " does not fit a period of " + std::to_string(period));
+          }
+          blocks[i] = {start[i], life[i], size[i]};
+        }
+        const HoleFill r = fill_holes(blocks, period, holes);
+        std::vector<long long> hole(r.hole.size());
+        for (std::size_t i = 0; i < hole.size(); ++i) {
+          hole[i] = r.hole[i] == HoleFill::kNone ? -1 : static_cast<long long>(r.hole[i]);
+        }
+        py::dict d;
+        d["hole"] = hole;  // -1: not placed (it goes to the arena)
+        d["offset"] = r.offset;
+        d["placed_bytes"] = r.placed_bytes;
+        return d;
+      },
+      py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"), py::arg("holes"));
+
   m.def(
       "fuzz",
       [](std::uint64_t ops, std::uint64_t seed, const std::string& policy,
@@ -252,6 +282,7 @@ PYBIND11_MODULE(_core, m) {
         d["iterations"] = r.iterations;
         d["plan_hits"] = r.plan_hits;
         d["plan_fallbacks"] = r.plan_fallbacks;
+        d["plan_hole_hits"] = r.plan_hole_hits;
         return d;
       },
       py::arg("ops"), py::arg("seed") = 1, py::arg("policy") = "pymemplan",

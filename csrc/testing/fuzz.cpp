@@ -64,6 +64,7 @@ class Fuzzer {
       for (const auto& [k, v] : planned->plan_stats()) {
         if (k == "plan_hits") r_.plan_hits = static_cast<std::uint64_t>(v);
         if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);
+        if (k == "hole_hits") r_.plan_hole_hits = static_cast<std::uint64_t>(v);
       }
     }
     return r_;

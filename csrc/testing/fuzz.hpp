@@ -35,6 +35,7 @@ struct FuzzReport {
   std::uint64_t iterations = 0;   // periodic mode: iteration programs run
   std::uint64_t plan_hits = 0;    // pymemplan-planned: requests served at a planned offset
   std::uint64_t plan_fallbacks = 0;
+  std::uint64_t plan_hole_hits = 0;  // of plan_hits, served in a hole of the pool
 };
 
 // Throws std::logic_error naming the violated invariant, the op index and the seed.
