@@ -306,6 +306,30 @@ def test_enable_warns_once_about_cudnn_benchmark():
 
 # --- The live plugin over the fake CUDA driver ---
 
+def test_mark_step_reaches_the_planned_plugin_and_is_a_no_op_when_not_enabled():
+    run(f"""
+        import ctypes
+        import pymemplan
+        from pymemplan.allocator import _library, configure
+        pymemplan.mark_step()  # not enabled: nothing to tell, no library needed
+        configure("pymemplan-planned", oom_action="null")
+        lib = _library.load()
+        MiB = 1 << 20
+        sizes = [(7 + 3 * (i % 5)) * MiB + 512 * i for i in range(40)]
+        calls = []
+        for step in range(6):
+            assert lib.pymemplan_mark_step(-1) == 0, pymemplan.last_error()
+            live = [lib.pymemplan_alloc(n, 0, None) for n in sizes]
+            assert all(live), pymemplan.last_error()
+            for p, n in zip(reversed(live), reversed(sizes)):
+                lib.pymemplan_free(p, n, 0, None)
+            calls.append(pymemplan.memory_stats()["num_device_alloc"])
+        # From the plan on, the steps need no new memory from the driver.
+        assert calls[-1] == calls[-2] == calls[-3], calls
+        assert lib.pymemplan_mark_step(0) == 0 and lib.pymemplan_mark_step(5) == 0
+    """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="4GiB")
+
+
 def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
     path = tmp_path / "snapshot.pickle"
     run_fake(f"""

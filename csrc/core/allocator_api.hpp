@@ -49,6 +49,10 @@ class Allocator {
   // Seconds spent computing plans (offline packing), for benchmarks that separate the one-off
   // planning cost from the cost of serving requests; 0 for allocators without plans.
   virtual double planning_seconds() const { return 0.0; }
+  // Optional hint from the caller: a training step starts here (pymemplan.mark_step()).
+  // Allocators that find the repeated step by themselves may use it to plan sooner and to cut
+  // the plan at the step boundary; the others ignore it. Never needed for correctness.
+  virtual void mark_step() {}
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

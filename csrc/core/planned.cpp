@@ -281,6 +281,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("arms", num(arms_));
   put("arm_refusals", num(arm_refusals_));
   put("refinements", num(refinements_));
+  put("marks", num(marks_));
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
   put("plan_coverage", last_coverage_);
@@ -402,6 +403,12 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
       cursor_ = c + 1 == n ? 0 : c + 1;
       at_cut_ = cursor_ == 0;  // the next request starts a pass
       *crossed = wrapped;      // this one did (slots at the end were skipped)
+      if (skipped != 0) {
+        // Planned slots were passed over: the plan may have the wrong period (a step of
+        // identical layers repeats within itself). Detection looks again; serving goes on.
+        ever_diverged_ = true;
+        last_divergence_ = base_ + events_.size();
+      }
       return &s;
     }
     if (s.planned && ++skipped > config_.resync_window) break;
@@ -759,7 +766,8 @@ double PlannedAllocator::coverage(std::uint64_t n, std::size_t period,
 }
 
 void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
-                                  const std::vector<std::size_t>& lifetimes, std::size_t replace) {
+                                  const std::vector<std::size_t>& lifetimes, std::size_t replace,
+                                  bool at_mark) {
   const std::uint64_t s = n - period;
   struct A {
     std::size_t t, life, size;
@@ -789,7 +797,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   }
   std::size_t cut = 0;
   long long live = 0, least = -1;
-  for (std::size_t t = 0; t < period; ++t) {
+  for (std::size_t t = 0; t < period && !at_mark; ++t) {
     live += delta[t];
     if (least < 0 || live < least) {
       least = live;
@@ -865,6 +873,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   last_coverage_ = static_cast<double>(std::count_if(lifetimes.begin(), lifetimes.end(),
                                                      [](std::size_t l) { return l != 0; })) /
                    static_cast<double>(std::max<std::size_t>(lifetimes.size(), 1));
+  if (at_mark) plan.validated = true;  // the step repeated the one before it (mark_step)
   if (replace != kNoOffset) {
     // The same plan, made again from a pass where more lifetimes are known.
     plan.validated = true;
@@ -892,6 +901,29 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   }
   plans_.push_back(std::move(plan));
   adopt(plans_.size() - 1, cursor);
+}
+
+void PlannedAllocator::mark_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uint64_t n = base_ + events_.size();
+  const std::uint64_t prev = last_mark_;
+  last_mark_ = n;
+  ++marks_;
+  if (prev == kNever || prev < base_ || n - prev < config_.min_period ||
+      n - prev > config_.max_period) {
+    return;
+  }
+  if (active_ != kNoOffset && !should_plan(n)) return;  // a plan serves the stream already
+  const auto period = static_cast<std::size_t>(n - prev);
+  // Only a step that repeated the one before it: marks at odd places (twice, mid-step) then
+  // make no plan, and detection goes on as without marks.
+  if (n - base_ < 2 * static_cast<std::uint64_t>(period) ||
+      range_hash(n - period, n) != range_hash(n - 2 * period, n - period)) {
+    return;
+  }
+  std::vector<std::size_t> lifetimes;
+  if (coverage(n, period, &lifetimes) < kMinCoverage) return;
+  build_plan(n, period, lifetimes, kNoOffset, true);
 }
 
 void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {

@@ -146,6 +146,11 @@ class PlannedAllocator : public Allocator {
   // Ordinal (0-based, among allocation requests) of the first request served from a plan, or
   // UINT64_MAX if none was.
   std::uint64_t first_planned_request() const override;
+  // A training step starts here (optional; see mark_step in allocator_api.hpp). If the events
+  // since the previous mark repeat the same number of events before them, they are the step:
+  // planned with the cut at the mark and served at once (if enough of its bytes have known
+  // lifetimes), unless a plan already serves the stream.
+  void mark_step() override;
   double planning_seconds() const override;
   // Figures about plans for benchmarks and tests: plan_hits (requests served at their planned
   // offset; hole_hits of them in a hole of the pool), fallbacks (requests the pool served), slot_busy (matched, but the planned range
@@ -228,8 +233,10 @@ class PlannedAllocator : public Allocator {
   double coverage(std::uint64_t n, std::size_t period, std::vector<std::size_t>* lifetimes,
                   std::size_t stride = 1) const;
   // replace: the index of the plan this one replaces (refine()), or kNoOffset for a new one.
+  // at_mark: the window starts at a step mark and repeats the one before it (mark_step()): the
+  // cut is at the mark, and the plan is validated at once.
   void build_plan(std::uint64_t n, std::size_t period, const std::vector<std::size_t>& lifetimes,
-                  std::size_t replace = kNoOffset);
+                  std::size_t replace = kNoOffset, bool at_mark = false);
   void refine();
   // Lifetimes unknown when the plan was made (allocations still alive then) that are known
   // now: their slots get blocks. Only while the plan's window is in the history.
@@ -250,6 +257,8 @@ class PlannedAllocator : public Allocator {
   std::unordered_map<std::uint64_t, std::uint64_t> last_end_;  // window hash -> newest end
   std::uint64_t indexed_ = 0;          // windows ending at or before this are indexed
   std::uint64_t next_detect_ = 0;
+  std::uint64_t last_mark_ = kNever;   // event index of the last mark_step()
+  std::uint64_t marks_ = 0;
   std::uint64_t recent_[kPrefix] = {};  // last kPrefix allocation tokens (ring)
   std::int64_t live_bytes_ = 0, live_hwm_ = 0;  // requested bytes
 

@@ -283,6 +283,15 @@ int pymemplan_empty_cache(int device) {
   });
 }
 
+int pymemplan_mark_step(int device) {
+  return guarded([&] {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (device >= 0 && d != device) continue;
+      if (Allocator* a = existing_allocator(d)) a->mark_step();
+    }
+  });
+}
+
 const char* pymemplan_last_error(void) { return last_error.c_str(); }
 
 int pymemplan_device_count(void) {

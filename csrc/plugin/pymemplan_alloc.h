@@ -49,6 +49,9 @@ int pymemplan_reset_peak_stats(int device);
 int pymemplan_reset_accumulated_stats(int device);
 int pymemplan_set_memory_limit(int device, size_t bytes); /* 0: no limit */
 int pymemplan_empty_cache(int device);                     /* -1: every device */
+/* A training step starts here (-1: every device). A hint for pymemplan-planned, which finds
+ * the repeated step by itself without it; the other policies ignore it. */
+int pymemplan_mark_step(int device);
 /* The last error of the calling thread (OOM message, bad pointer, driver failure), or "". */
 const char* pymemplan_last_error(void);
 /* Number of devices the driver reports, or -1 with last_error set (no driver, ...). */

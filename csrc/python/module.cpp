@@ -157,6 +157,7 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("ptr"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("empty_cache", &Allocator::empty_cache, py::call_guard<py::gil_scoped_release>())
+      .def("mark_step", &Allocator::mark_step, py::call_guard<py::gil_scoped_release>())
       .def("set_memory_limit", &Allocator::set_memory_limit, py::arg("bytes"))
       .def("set_memory_fraction", &Allocator::set_memory_fraction, py::arg("fraction"))
       .def_property_readonly("memory_limit", &Allocator::memory_limit)

@@ -33,6 +33,7 @@ from ._oom import is_out_of_memory, oom_as_torch_error
 from ._stats import (
     empty_cache,
     last_error,
+    mark_step,
     max_memory_allocated,
     max_memory_reserved,
     memory_allocated,
@@ -57,6 +58,7 @@ __all__ = [
     "is_out_of_memory",
     "last_error",
     "library_path",
+    "mark_step",
     "max_memory_allocated",
     "max_memory_reserved",
     "memory_allocated",

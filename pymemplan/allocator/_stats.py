@@ -123,6 +123,25 @@ def empty_cache() -> None:
     _library.check(_library.load().pymemplan_empty_cache(-1), "empty_cache()")
 
 
+def mark_step() -> None:
+    """Tell the allocator that a training step starts here; optional, never needed.
+
+    ``pymemplan-planned`` finds the repeated step in the stream of requests by itself; with
+    marks it also takes the stretch between two marks as a step, cut at the mark, and serves
+    the next steps from its plan sooner. The other policies ignore it, and it does nothing
+    when pymemplan is not the active allocator, so a training loop may call it always::
+
+        for batch in loader:
+            pymemplan.mark_step()
+            loss = model(batch).loss
+            ...
+    """
+    from ._enable import is_enabled
+
+    if is_enabled():
+        _library.check(_library.load().pymemplan_mark_step(-1), "mark_step()")
+
+
 def last_error() -> str:
     """The plugin's last error in this thread (e.g. the OOM message under oom_action:null), or ""."""
     return _library.last_error()
