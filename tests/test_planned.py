@@ -201,14 +201,19 @@ def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks,
     def overlap_t(i, j):
         return ((start[j] - start[i]) % period < life[i]) or ((start[i] - start[j]) % period < life[j])
 
-    placed = [i for i, h in enumerate(r["hole"]) if h >= 0]
-    assert r["placed_bytes"] == sum(size[i] for i in placed)
-    for i in placed:
-        assert r["offset"][i] + size[i] <= hole_sizes[r["hole"][i]]
-        for j in placed:
-            if j > i and r["hole"][j] == r["hole"][i] and overlap_t(i, j):
-                a, b = r["offset"][i], r["offset"][j]
-                assert a + size[i] <= b or b + size[j] <= a, (i, j)
+    def check(r):
+        placed = [i for i, h in enumerate(r["hole"]) if h >= 0]
+        assert r["placed_bytes"] == sum(size[i] for i in placed)
+        for i in placed:
+            assert r["offset"][i] + size[i] <= hole_sizes[r["hole"][i]]
+            for j in placed:
+                if j > i and r["hole"][j] == r["hole"][i] and overlap_t(i, j):
+                    a, b = r["offset"][i], r["offset"][j]
+                    assert a + size[i] <= b or b + size[j] <= a, (i, j)
+        return placed
+
+    check(_core.fill_holes(start, life, size, period, hole_sizes, "skyline"))
+    placed = check(r)
     # Greedy, so maximal: a block left out finds no gap in any hole during its lifetime.
     for i in set(range(len(blocks))) - set(placed):
         for h, cap in enumerate(hole_sizes):
@@ -229,6 +234,19 @@ def test_hole_filling_prefers_blocks_alive_at_the_peak():
     assert r["hole"] == [-1, 0, -1] and r["placed_bytes"] == 1536
     with pytest.raises(_core.AllocatorError):
         _core.fill_holes([20], [1], [512], 20, [512])
+    with pytest.raises(_core.AllocatorError, match="greedy"):
+        _core.fill_holes([0], [1], [512], 20, [512], "best")
+
+
+def test_skyline_hole_filling_packs_a_stack_of_lifetimes_into_one_hole():
+    # Nested lifetimes (a stack of activations): the skyline reaches their peak of live bytes,
+    # so a hole exactly that large takes them all; greedy (largest at the peak first) does not.
+    start, life = [3, 2, 7, 6, 1, 0], [1, 3, 1, 3, 9, 11]
+    size = [4096, 4608, 8192, 3584, 3072, 7680]
+    bound = _core.pack_blocks(start, life, size, 12)["bound"]
+    sky = _core.fill_holes(start, life, size, 12, [bound], "skyline")
+    assert sky["hole"] == [0] * 6 and sky["placed_bytes"] == sum(size)
+    assert _core.fill_holes(start, life, size, 12, [bound], "greedy")["placed_bytes"] < sum(size)
 
 
 def test_packing_reaches_the_bound_on_simple_cases():

@@ -954,9 +954,19 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_holes
     if (!seg->vmm || seg->arena) continue;
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
       if (!b->listed) continue;
-      // Split the free block at the pages no block in use touches (or not mapped).
-      std::uintptr_t run = 0;
       const std::uintptr_t end = b->addr + b->size;
+      auto kept_at = [&](std::uintptr_t x) {
+        const std::size_t i = (x - seg->addr) / page;
+        return seg->pages[i] != 0 && seg->users[i] != 0;
+      };
+      if (kept_at(b->addr) && kept_at(end - 1)) {
+        // Between two pages kept anyway: a block placed here pays only for the pages inside
+        // (unkept_bytes) and gets the free parts at both ends for nothing.
+        out.emplace_back(b->addr, b->size);
+        continue;
+      }
+      // Otherwise split the free block at the pages no block in use touches (or not mapped).
+      std::uintptr_t run = 0;
       for (std::uintptr_t x = b->addr; x < end;) {
         const std::size_t i = (x - seg->addr) / page;
         const std::uintptr_t next = std::min<std::uintptr_t>(end, seg->addr + (i + 1) * page);
@@ -972,6 +982,25 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_holes
     }
   }
   return out;
+}
+
+std::size_t CachingAllocator::unkept_bytes(
+    const std::vector<std::pair<std::uintptr_t, std::size_t>>& ranges) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t page = device_->granularity();
+  std::vector<std::uintptr_t> pages;  // page addresses the ranges touch that are not kept
+  for (const auto& [lo, n] : ranges) {
+    if (n == 0) continue;
+    auto it = segments_.upper_bound(lo);
+    if (it == segments_.begin()) continue;
+    const Segment* seg = std::prev(it)->second;
+    if (!seg->vmm || lo + n > seg->addr + seg->size) continue;
+    for (std::size_t i = (lo - seg->addr) / page; i <= (lo + n - 1 - seg->addr) / page; ++i) {
+      if (seg->pages[i] == 0 || seg->users[i] == 0) pages.push_back(seg->addr + i * page);
+    }
+  }
+  std::sort(pages.begin(), pages.end());
+  return static_cast<std::size_t>(std::unique(pages.begin(), pages.end()) - pages.begin()) * page;
 }
 
 void* CachingAllocator::allocate_range(Segment* seg, std::uintptr_t lo, std::size_t rounded,

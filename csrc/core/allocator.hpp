@@ -92,10 +92,14 @@ class CachingAllocator : public Allocator {
   // caller falls back to malloc. Throws AllocatorError for an address that is not an arena.
   void* allocate_at(std::uintptr_t arena, std::size_t offset, std::size_t rounded,
                     std::int64_t requested, StreamId stream);
-  // Free space that costs no memory: the free parts of mapped pages that a block in use also
-  // touches (virtual segments of the pool, arenas excepted), as (address, bytes) ranges. A
-  // plan places blocks there (allocate_in_hole) before it sizes its arena.
+  // Free space that costs little memory (virtual segments of the pool, arenas excepted), as
+  // (address, bytes) ranges: the free parts of mapped pages that a block in use also touches,
+  // and whole free blocks that begin and end on such pages (the pages between are not kept:
+  // see unkept_bytes). A plan places blocks there (allocate_in_hole) before it sizes its arena.
   std::vector<std::pair<std::uintptr_t, std::size_t>> page_holes() const;
+  // Bytes of the distinct pages under these ranges that no block in use keeps mapped: what
+  // serving blocks there would map (or keep mapped) beyond the pages held anyway.
+  std::size_t unkept_bytes(const std::vector<std::pair<std::uintptr_t, std::size_t>>& ranges) const;
   // As allocate_at, at an absolute address inside a virtual segment of the pool (not an arena):
   // nullptr, with nothing changed, unless [addr, addr + rounded) is free now and safe for
   // `stream`, or if no such segment holds it.

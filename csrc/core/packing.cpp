@@ -66,10 +66,13 @@ struct Spans {
 // Returns the arena; stops early once it reaches `limit` (it cannot beat the best then).
 // Queue entries are (key, rank) pairs, packed into one 64-bit word when keys in units of
 // `unit` (the gcd of the sizes: every key is a sum of sizes) fit 32 bits.
+// With a capacity, a block whose lowest offset would take it past the capacity is left out
+// (offset kNone): keys only rise, so it would never fit later.
 template <bool kPacked>
 std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Spans>& spans,
                     std::size_t intervals, const std::vector<std::size_t>& order,
-                    std::vector<std::size_t>& offsets, std::size_t limit, std::size_t unit) {
+                    std::vector<std::size_t>& offsets, std::size_t limit, std::size_t unit,
+                    std::size_t capacity = kNone) {
   MaxTree sky(intervals);
   auto key_of = [&](std::size_t i) {
     std::size_t k = 0;
@@ -120,6 +123,10 @@ std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Span
     }
     const std::size_t i = order[rank_at(e)];
     const std::size_t key = key_at(e);
+    if (capacity != kNone && key + blocks[i].size > capacity) {
+      offsets[i] = kNone;
+      continue;
+    }
     offsets[i] = key;
     const std::size_t top = key + blocks[i].size;
     for (int s = 0; s < spans[i].n; ++s) sky.raise(spans[i].lo[s], spans[i].hi[s], top);
@@ -127,6 +134,52 @@ std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Span
     if (arena >= limit) return arena;
   }
   return arena;
+}
+
+// Each block's lifetime as ranges of the elementary intervals between the distinct start
+// and end times.
+struct Timeline {
+  std::vector<Spans> spans;
+  std::size_t intervals = 0;
+  Timeline(const std::vector<PackBlock>& blocks, std::size_t period) {
+    std::vector<std::size_t> cuts = {0, period};
+    for (const PackBlock& b : blocks) {
+      cuts.push_back(b.start);
+      cuts.push_back((b.start + b.life) % period);
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    auto index = [&](std::size_t t) {
+      return static_cast<std::size_t>(std::lower_bound(cuts.begin(), cuts.end(), t) - cuts.begin());
+    };
+    intervals = cuts.size() - 1;
+    spans.resize(blocks.size());
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const std::size_t end = blocks[i].start + blocks[i].life;
+      Spans& s = spans[i];
+      if (end <= period) {
+        s.lo[0] = index(blocks[i].start);
+        s.hi[0] = index(end);
+        s.n = 1;
+      } else {
+        s.lo[0] = index(blocks[i].start);
+        s.hi[0] = intervals;
+        s.lo[1] = 0;
+        s.hi[1] = index(end - period);
+        s.n = s.hi[1] > 0 ? 2 : 1;
+      }
+    }
+  }
+};
+
+void check_blocks(const std::vector<PackBlock>& blocks, std::size_t period, const char* who) {
+  for (const PackBlock& b : blocks) {
+    if (b.start >= period || b.life == 0 || b.life > period) {
+      throw std::invalid_argument(std::string(who) + ": block [" + std::to_string(b.start) +
+                                  ", +" + std::to_string(b.life) + ") does not fit a period of " +
+                                  std::to_string(period));
+    }
+  }
 }
 
 }  // namespace
@@ -168,46 +221,14 @@ std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period)
 
 PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
                        std::size_t search_rounds, std::size_t granule, std::size_t give_up) {
-  for (const PackBlock& b : blocks) {
-    if (b.start >= period || b.life == 0 || b.life > period) {
-      throw std::invalid_argument("pack_blocks: block [" + std::to_string(b.start) + ", +" +
-                                  std::to_string(b.life) + ") does not fit a period of " +
-                                  std::to_string(period));
-    }
-  }
+  check_blocks(blocks, period, "pack_blocks");
   PackResult r;
   r.bound = live_bound(blocks, period);
   const std::size_t n = blocks.size();
   if (n == 0) return r;
-
-  // Elementary intervals between the distinct start and end times.
-  std::vector<std::size_t> cuts = {0, period};
-  for (const PackBlock& b : blocks) {
-    cuts.push_back(b.start);
-    cuts.push_back((b.start + b.life) % period);
-  }
-  std::sort(cuts.begin(), cuts.end());
-  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-  auto index = [&](std::size_t t) {
-    return static_cast<std::size_t>(std::lower_bound(cuts.begin(), cuts.end(), t) - cuts.begin());
-  };
-  const std::size_t intervals = cuts.size() - 1;
-  std::vector<Spans> spans(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t end = blocks[i].start + blocks[i].life;
-    Spans& s = spans[i];
-    if (end <= period) {
-      s.lo[0] = index(blocks[i].start);
-      s.hi[0] = index(end);
-      s.n = 1;
-    } else {
-      s.lo[0] = index(blocks[i].start);
-      s.hi[0] = intervals;
-      s.lo[1] = 0;
-      s.hi[1] = index(end - period);
-      s.n = s.hi[1] > 0 ? 2 : 1;
-    }
-  }
+  const Timeline tl(blocks, period);
+  const std::vector<Spans>& spans = tl.spans;
+  const std::size_t intervals = tl.intervals;
 
   // Tie rules: the largest size x lifetime first, the largest first, the longest-lived first
   // (the slowest: a long block placed raises the skyline under most others); then the same
@@ -259,12 +280,86 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
   return r;
 }
 
+namespace {
+
+void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
+                     const std::vector<std::size_t>& hole_sizes, HoleFill& r) {
+  std::vector<std::size_t> holes(hole_sizes.size());
+  std::iota(holes.begin(), holes.end(), std::size_t{0});
+  std::stable_sort(holes.begin(), holes.end(),
+                   [&](std::size_t a, std::size_t b) { return hole_sizes[a] > hole_sizes[b]; });
+  std::vector<std::size_t> left(blocks.size());
+  std::iota(left.begin(), left.end(), std::size_t{0});
+  for (std::size_t h : holes) {
+    std::vector<PackBlock> sub;
+    std::vector<std::size_t> of;
+    std::size_t unit = 0, total = 0;
+    for (std::size_t i : left) {
+      if (blocks[i].size == 0 || blocks[i].size > hole_sizes[h]) continue;
+      sub.push_back(blocks[i]);
+      of.push_back(i);
+      unit = std::gcd(unit, blocks[i].size);
+      total += blocks[i].size;
+    }
+    if (sub.empty()) continue;
+    unit = std::max<std::size_t>(unit, 1);
+    const bool packed = total / unit < (std::uint64_t{1} << 32) && sub.size() < (std::uint64_t{1} << 32);
+    const Timeline tl(sub, period);
+    auto life = [&](std::size_t i) { return static_cast<double>(sub[i].life); };
+    auto size = [&](std::size_t i) { return static_cast<double>(sub[i].size); };
+    auto area = [&](std::size_t i) { return life(i) * size(i); };
+    const std::function<double(std::size_t)> rules[] = {area, size, life};
+    std::vector<std::size_t> order(sub.size()), offsets, best;
+    double best_area = 0.0;
+    for (const auto& rule : rules) {
+      std::iota(order.begin(), order.end(), std::size_t{0});
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+        const double wa = rule(a), wb = rule(b);
+        if (wa != wb) return wa > wb;
+        return sub[a].size > sub[b].size;
+      });
+      if (packed) {
+        skyline<true>(sub, tl.spans, tl.intervals, order, offsets, kNone, unit, hole_sizes[h]);
+      } else {
+        skyline<false>(sub, tl.spans, tl.intervals, order, offsets, kNone, unit, hole_sizes[h]);
+      }
+      double placed = 0.0;
+      for (std::size_t k = 0; k < sub.size(); ++k) placed += offsets[k] != kNone ? area(k) : 0.0;
+      if (placed > best_area) {
+        best_area = placed;
+        best = offsets;
+      }
+    }
+    if (best.empty()) continue;
+    std::vector<std::size_t> still;
+    std::vector<char> taken(blocks.size(), 0);
+    for (std::size_t k = 0; k < sub.size(); ++k) {
+      if (best[k] == kNone) continue;
+      r.hole[of[k]] = h;
+      r.offset[of[k]] = best[k];
+      r.placed_bytes += sub[k].size;
+      taken[of[k]] = 1;
+    }
+    for (std::size_t i : left) {
+      if (!taken[i]) still.push_back(i);
+    }
+    left.swap(still);
+  }
+}
+
+}  // namespace
+
 HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
-                    const std::vector<std::size_t>& hole_sizes) {
+                    const std::vector<std::size_t>& hole_sizes, HoleRule rule) {
   HoleFill r;
   r.hole.assign(blocks.size(), HoleFill::kNone);
   r.offset.assign(blocks.size(), 0);
   if (blocks.empty() || hole_sizes.empty() || period == 0) return r;
+  check_blocks(blocks, period, "fill_holes");
+  if (rule == HoleRule::kSkyline) {
+    fill_by_skyline(blocks, period, hole_sizes, r);
+    return r;
+  }
   // The time of the peak of live bytes.
   std::vector<long long> delta(period + 1, 0);
   for (const PackBlock& b : blocks) {

@@ -290,6 +290,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("plan_ratio", last_ratio_);
   put("plan_hole_bytes", num(last_hole_bytes_));
   put("hole_hits", num(hole_hits_));
+  put("plan_hole_cost_bytes", num(last_hole_cost_));
   put("pack_seconds", pack_seconds_);
   put("arm_held_bytes", num(last_held_));
   put("arm_footprint_bytes", num(last_footprint_));
@@ -509,11 +510,12 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   // layers, of iterations seen once) that never do. Variant 1 leaves out the first kPrefix
   // slots: it serves a pass whose first requests the pool served already (the plan was
   // recognised by them), so no room is kept for them.
-  // Blocks first go to the holes of the pool (free parts of pages kept mapped by blocks that
-  // outlive the period: parameters, optimizer state), which cost no memory; the rest to the
-  // arena. The holes are those of now, so a plan using them is packed again at each arming.
-  // Taking blocks out can make the rest pack worse: failing within give_up, the plan is
-  // packed without holes.
+  // Blocks may first go to holes of the pool (page_holes: free parts of pages that blocks
+  // outliving the period keep mapped, such as parameters and optimizer state), which cost only
+  // the pages they need beyond those (unkept_bytes); the rest go to the arena. Taking blocks
+  // out can also make the rest pack worse, so the plan is packed with holes filled by either
+  // rule of fill_holes and without holes, and the smallest footprint wins. Holes are those of now: a plan using some is packed again
+  // at each arming.
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::size_t> slot_of;
   const std::vector<PackBlock> all = variant_blocks(p, v, &slot_of);
@@ -521,41 +523,64 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
                                          : std::vector<std::pair<std::uintptr_t, std::size_t>>{};
   std::vector<std::size_t> hole_sizes;
   for (const auto& h : holes) hole_sizes.push_back(h.second);
-  bool done = false;
-  for (const bool use_holes : {true, false}) {
-    if (done || (!use_holes && hole_sizes.empty())) continue;
-    const HoleFill fill = fill_holes(all, p.period, use_holes ? hole_sizes : std::vector<std::size_t>{});
-    std::vector<PackBlock> blocks;
+  struct Candidate {
+    HoleFill fill;
+    PackResult packed;
     std::vector<std::size_t> arena_slot;
+    std::size_t hole_cost = 0;
+    std::size_t footprint() const { return packed.arena + hole_cost; }
+  };
+  std::vector<Candidate> made;
+  for (const int use : {0, 1, 2}) {  // holes by skyline, holes greedily, no holes
+    if (use < 2 && hole_sizes.empty()) continue;
+    Candidate c;
+    c.fill = use == 2 ? fill_holes(all, p.period, {})
+                      : fill_holes(all, p.period, hole_sizes,
+                                   use == 0 ? HoleRule::kSkyline : HoleRule::kGreedy);
+    std::vector<PackBlock> blocks;
+    std::vector<std::pair<std::uintptr_t, std::size_t>> placed;
     for (std::size_t k = 0; k < all.size(); ++k) {
-      if (fill.hole[k] != HoleFill::kNone) continue;
+      if (c.fill.hole[k] != HoleFill::kNone) {
+        placed.emplace_back(holes[c.fill.hole[k]].first + c.fill.offset[k], all[k].size);
+        continue;
+      }
       blocks.push_back(all[k]);
-      arena_slot.push_back(slot_of[k]);
+      c.arena_slot.push_back(slot_of[k]);
     }
-    const PackResult packed = pack_blocks(blocks, p.period, config_.search_rounds, page(), give_up);
-    last_bound_ = packed.bound;
-    if (packed.offsets.size() != blocks.size()) continue;  // no packing within give_up
-    for (std::size_t k = 0; k < all.size(); ++k) {
-      Slot& slot = p.slots[slot_of[k]];
-      slot.offset[v] = kNoOffset;
-      slot.hole[v] = fill.hole[k] == HoleFill::kNone ? 0 : holes[fill.hole[k]].first + fill.offset[k];
-    }
-    for (std::size_t k = 0; k < arena_slot.size(); ++k) p.slots[arena_slot[k]].offset[v] = packed.offsets[k];
-    p.holes[v] = fill.placed_bytes != 0;
-    p.arena[v] = packed.arena;
-    p.bound[v] = live_bound(all, p.period);
-    p.packed[v] = true;
-    last_hole_bytes_ = fill.placed_bytes;
-    last_arena_ = packed.arena;
-    last_ratio_ = packed.ratio();
-    done = true;
+    c.hole_cost = placed.empty() ? 0 : pool_->unkept_bytes(placed);
+    if (c.hole_cost > give_up) continue;
+    c.packed = pack_blocks(blocks, p.period, config_.search_rounds, page(), give_up - c.hole_cost);
+    last_bound_ = c.packed.bound;
+    if (c.packed.offsets.size() != blocks.size()) continue;  // no packing within give_up
+    c.packed.arena = round_up(c.packed.arena, page());
+    made.push_back(std::move(c));
   }
   pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!done) {
+  if (made.empty()) {
     last_arena_ = 0;
     last_ratio_ = 0.0;
+    return false;
   }
-  return done;
+  const Candidate& c = *std::min_element(made.begin(), made.end(), [](const Candidate& a, const Candidate& b) {
+    return a.footprint() < b.footprint();
+  });
+  for (std::size_t k = 0; k < all.size(); ++k) {
+    Slot& slot = p.slots[slot_of[k]];
+    slot.offset[v] = kNoOffset;
+    slot.hole[v] = c.fill.hole[k] == HoleFill::kNone ? 0 : holes[c.fill.hole[k]].first + c.fill.offset[k];
+  }
+  for (std::size_t k = 0; k < c.arena_slot.size(); ++k) p.slots[c.arena_slot[k]].offset[v] = c.packed.offsets[k];
+  p.holes[v] = c.fill.placed_bytes != 0;
+  p.hole_cost[v] = c.hole_cost;
+  p.arena[v] = c.packed.arena;
+  p.bound[v] = live_bound(all, p.period);
+  p.packed[v] = true;
+  last_bound_ = c.packed.bound;
+  last_hole_bytes_ = c.fill.placed_bytes;
+  last_hole_cost_ = c.hole_cost;
+  last_arena_ = c.packed.arena;
+  last_ratio_ = c.packed.ratio();
+  return true;
 }
 
 bool PlannedAllocator::arm(int v) {
@@ -601,7 +626,7 @@ bool PlannedAllocator::arm(int v) {
   // those of now: a plan that used some is packed again.
   if ((!p.packed[v] || p.holes[v]) && !pack(p, v, (limit - held) / page() * page())) return refuse();
   const std::size_t need = round_up(p.arena[v], page());
-  const std::size_t footprint = held + need;
+  const std::size_t footprint = held + need + p.hole_cost[v];
   last_footprint_ = footprint;
   if (footprint > limit) return refuse();
   if (arena_ != 0 && arena_size_ < need) {

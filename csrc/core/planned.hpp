@@ -199,6 +199,7 @@ class PlannedAllocator : public Allocator {
     std::size_t bound[2] = {0, 0};  // peak of live planned bytes
     bool packed[2] = {false, false};  // offsets are computed when the plan first arms
     bool holes[2] = {false, false};   // some blocks went to holes: packed again at each arming
+    std::size_t hole_cost[2] = {0, 0};  // bytes of pages the blocks in holes add to what is held
     std::vector<PackBlock> blocks;        // the planned blocks, on the circle from the cut
     std::vector<std::size_t> slot_block;  // per slot: its block, or kNoOffset
     std::uint64_t last_used = 0;
@@ -288,6 +289,7 @@ class PlannedAllocator : public Allocator {
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
   std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes
+  std::size_t last_hole_cost_ = 0;   // pages those added to what the pool held
   std::size_t last_held_ = 0, last_footprint_ = 0;  // at the last arming
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all

@@ -232,7 +232,10 @@ PYBIND11_MODULE(_core, m) {
       "fill_holes",
       [](const std::vector<std::size_t>& start, const std::vector<std::size_t>& life,
          const std::vector<std::size_t>& size, std::size_t period,
-         const std::vector<std::size_t>& holes) {
+         const std::vector<std::size_t>& holes, const std::string& rule) {
+        if (rule != "greedy" && rule != "skyline") {
+          throw AllocatorError("fill_holes: rule must be 'greedy' or 'skyline', not '" + rule + "'");
+        }
         if (start.size() != life.size() || start.size() != size.size()) {
           throw AllocatorError("fill_holes: start, life and size differ in length");
         }
@@ -244,7 +247,8 @@ PYBIND11_MODULE(_core, m) {
           }
           blocks[i] = {start[i], life[i], size[i]};
         }
-        const HoleFill r = fill_holes(blocks, period, holes);
+        const HoleFill r = fill_holes(blocks, period, holes,
+                                      rule == "skyline" ? HoleRule::kSkyline : HoleRule::kGreedy);
         std::vector<long long> hole(r.hole.size());
         for (std::size_t i = 0; i < hole.size(); ++i) {
           hole[i] = r.hole[i] == HoleFill::kNone ? -1 : static_cast<long long>(r.hole[i]);
@@ -255,7 +259,8 @@ PYBIND11_MODULE(_core, m) {
         d["placed_bytes"] = r.placed_bytes;
         return d;
       },
-      py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"), py::arg("holes"));
+      py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"), py::arg("holes"),
+      py::arg("rule") = "greedy");
 
   m.def(
       "fuzz",
