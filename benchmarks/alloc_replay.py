@@ -179,7 +179,8 @@ def plan_figures(trace):
             live[p] = alloc.malloc(n, st)
         elif a == 1:
             alloc.free(live.pop(p))
-    keys = ("plan_hits", "fallbacks", "slot_busy", "divergences", "plans_built", "arms",
+    keys = ("plan_hits", "hole_hits", "fallbacks", "slot_busy", "divergences", "plans_built", "arms",
+            "plan_hole_bytes", "plan_hole_cost_bytes",
             "arm_refusals", "refinements", "plan_bound_bytes", "plan_arena_bytes", "plan_ratio",
             "pack_seconds")
     return {k: v for k, v in alloc.plan_stats().items() if k in keys}
@@ -298,11 +299,13 @@ def main() -> int:
                 + [f"{by[(n, p)]['device_allocs']:,}" for p in cap]
                 + [f"{by[(n, p)]['ns_per_event']:.0f}" for p in cap]))
     if "pymemplan-planned" in policies:
-        print("\npymemplan-planned: requests served from a plan and by the pool, packing of the "
-              "last plan (arena / bound), one-off planning time, serving cost:\n")
-        print(table(["trace", "plan hits", "fallbacks", "plans made", "armed", "arena/bound",
-                     "planning ms", "ns/event serving"],
+        print("\npymemplan-planned: requests served from a plan (in holes of the pool among "
+              "them) and by the pool, packing of the last plan (arena / bound of what went to "
+              "the arena), one-off planning time, serving cost:\n")
+        print(table(["trace", "plan hits", "in holes", "fallbacks", "plans made", "armed",
+                     "arena/bound", "planning ms", "ns/event serving"],
                     lambda n: [n, f"{by[(n, 'pymemplan-planned')]['plan']['plan_hits']:,.0f}",
+                               f"{by[(n, 'pymemplan-planned')]['plan']['hole_hits']:,.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['fallbacks']:,.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['plans_built']:.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['arms']:.0f}",

@@ -396,7 +396,7 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
   // once (the next iteration starts).
   const Plan& p = plans_[active_];
   const std::size_t n = p.slots.size();
-  std::size_t c = cursor_, skipped = 0;
+  std::size_t c = cursor_, skipped = 0, skipped_bytes = 0;
   bool wrapped = false;
   for (std::size_t steps = 0; steps < n; ++steps) {
     const Slot& s = p.slots[c];
@@ -404,15 +404,13 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
       cursor_ = c + 1 == n ? 0 : c + 1;
       at_cut_ = cursor_ == 0;  // the next request starts a pass
       *crossed = wrapped;      // this one did (slots at the end were skipped)
-      if (skipped != 0) {
-        // Planned slots were passed over: the plan may have the wrong period (a step of
-        // identical layers repeats within itself). Detection looks again; serving goes on.
-        ever_diverged_ = true;
-        last_divergence_ = base_ + events_.size();
-      }
+      pass_skipped_bytes_ += skipped_bytes;  // judged at the cut (boundary())
       return &s;
     }
-    if (s.planned && ++skipped > config_.resync_window) break;
+    if (s.planned) {
+      if (++skipped > config_.resync_window) break;
+      skipped_bytes += s.size;
+    }
     if (++c == n) {
       c = 0;
       wrapped = true;
@@ -431,6 +429,13 @@ void PlannedAllocator::boundary() {
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
   pass_unplanned_bytes_ = 0;
+  if (pass_skipped_bytes_ * kArmShare > p.bound[0]) {
+    // The pass passed over many planned slots: the plan may have the wrong period (a step of
+    // identical layers repeats within itself). Detection looks again; serving goes on.
+    ever_diverged_ = true;
+    last_divergence_ = base_ + events_.size();
+  }
+  pass_skipped_bytes_ = 0;
   if (armed_ && pool_->reserved_high_water() > arm_limit_) {
     // The plan took memory past what it was accepted for (the pool served what the plan
     // did not describe): the pool alone does better, drop it.
@@ -963,6 +968,7 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   p.last_used = allocs_;
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
+  pass_skipped_bytes_ = 0;
   // Adopted at the start of an iteration (its first kPrefix requests matched a stored plan, as
   // when shapes alternate or come back): the pool holds little now, so the plan arms at once.
   // If the rest of the iteration does not follow, the divergence rule disarms it.
