@@ -219,6 +219,26 @@ std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period)
   return static_cast<std::size_t>(peak);
 }
 
+std::vector<long long> live_profile(const std::vector<PackBlock>& blocks, std::size_t period) {
+  std::vector<long long> delta(period + 1, 0);
+  for (const PackBlock& b : blocks) {
+    const auto sz = static_cast<long long>(b.size);
+    const std::size_t end = b.start + b.life;
+    delta[b.start] += sz;
+    if (end <= period) {
+      delta[end] -= sz;
+    } else {  // wraps around the circle
+      delta[period] -= sz;
+      delta[0] += sz;
+      delta[end - period] -= sz;
+    }
+  }
+  std::vector<long long> live(period, 0);
+  long long now = 0;
+  for (std::size_t t = 0; t < period; ++t) live[t] = now += delta[t];
+  return live;
+}
+
 PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
                        std::size_t search_rounds, std::size_t granule, std::size_t give_up) {
   check_blocks(blocks, period, "pack_blocks");
@@ -360,29 +380,8 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
     fill_by_skyline(blocks, period, hole_sizes, r);
     return r;
   }
-  // The time of the peak of live bytes.
-  std::vector<long long> delta(period + 1, 0);
-  for (const PackBlock& b : blocks) {
-    const auto sz = static_cast<long long>(b.size);
-    const std::size_t end = b.start + b.life;
-    delta[b.start] += sz;
-    if (end <= period) {
-      delta[end] -= sz;
-    } else {
-      delta[period] -= sz;
-      delta[0] += sz;
-      delta[end - period] -= sz;
-    }
-  }
-  std::size_t peak_t = 0;
-  long long live = 0, peak = -1;
-  for (std::size_t t = 0; t < period; ++t) {
-    live += delta[t];
-    if (live > peak) {
-      peak = live;
-      peak_t = t;
-    }
-  }
+  const std::vector<long long> live = live_profile(blocks, period);
+  const auto peak_t = static_cast<std::size_t>(std::max_element(live.begin(), live.end()) - live.begin());
   const PackBlock at_peak{peak_t, 1, 0};
   std::size_t largest_hole = 0;
   for (std::size_t h : hole_sizes) largest_hole = std::max(largest_hole, h);

@@ -51,6 +51,8 @@ struct PackResult {
 bool lifetimes_overlap(const PackBlock& a, const PackBlock& b, std::size_t period);
 // The peak over time of the sum of the sizes of the alive blocks.
 std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period);
+// The sum of the sizes of the alive blocks at each time step 0 .. period - 1.
+std::vector<long long> live_profile(const std::vector<PackBlock>& blocks, std::size_t period);
 // Offsets for `blocks` (sizes should be multiples of the alignment the caller wants: offsets
 // are sums of sizes). `search_rounds` randomized runs follow the three deterministic ones; the
 // search stops once the arena is within `granule` of the bound (rounded up to it, both take

@@ -810,29 +810,15 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     const Event& e = ev(g);
     if (e.alloc) allocs.push_back({static_cast<std::size_t>(g - s), lifetimes[k++], e.size, e.stream});
   }
-  // The cut: the first time step where the fewest planned bytes are alive.
-  std::vector<long long> delta(period + 1, 0);
-  for (const A& a : allocs) {
-    if (a.life == 0) continue;
-    const auto sz = static_cast<long long>(a.size);
-    delta[a.t] += sz;
-    const std::size_t end = a.t + a.life;
-    if (end <= period) {
-      delta[end] -= sz;
-    } else {
-      delta[period] -= sz;
-      delta[0] += sz;
-      delta[end - period] -= sz;
-    }
-  }
+  // The cut: the first time step where the fewest planned bytes are alive (at a mark: there).
   std::size_t cut = 0;
-  long long live = 0, least = -1;
-  for (std::size_t t = 0; t < period && !at_mark; ++t) {
-    live += delta[t];
-    if (least < 0 || live < least) {
-      least = live;
-      cut = t;
+  if (!at_mark) {
+    std::vector<PackBlock> planned;
+    for (const A& a : allocs) {
+      if (a.life != 0) planned.push_back({a.t, a.life, a.size});
     }
+    const std::vector<long long> live = live_profile(planned, period);
+    cut = static_cast<std::size_t>(std::min_element(live.begin(), live.end()) - live.begin());
   }
   // Signature: the token sequence rotated to start at the cut.
   const std::uint64_t signature =
