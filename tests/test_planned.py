@@ -196,7 +196,6 @@ def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks,
     start, life = [b[0] for b in blocks], [b[1] for b in blocks]
     size = [b[2] * 512 for b in blocks]
     hole_sizes = [h * 512 for h in holes]
-    r = _core.fill_holes(start, life, size, period, hole_sizes)
 
     def overlap_t(i, j):
         return ((start[j] - start[i]) % period < life[i]) or ((start[i] - start[j]) % period < life[j])
@@ -213,18 +212,20 @@ def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks,
         return placed
 
     check(_core.fill_holes(start, life, size, period, hole_sizes, "skyline"))
-    placed = check(r)
-    # Greedy, so maximal: a block left out finds no gap in any hole during its lifetime.
-    for i in set(range(len(blocks))) - set(placed):
-        for h, cap in enumerate(hole_sizes):
-            taken = sorted((r["offset"][j], r["offset"][j] + size[j]) for j in placed
-                           if r["hole"][j] == h and overlap_t(i, j))
-            at = 0
-            for lo, hi in taken:
-                if lo >= at + size[i]:
-                    break
-                at = max(at, hi)
-            assert at + size[i] > cap, (i, h)
+    for rule in ("greedy", "greedy-area", "greedy-life"):
+        r = _core.fill_holes(start, life, size, period, hole_sizes, rule)
+        placed = check(r)
+        # Greedy, so maximal: a block left out finds no gap in any hole during its lifetime.
+        for i in set(range(len(blocks))) - set(placed):
+            for h, cap in enumerate(hole_sizes):
+                taken = sorted((r["offset"][j], r["offset"][j] + size[j]) for j in placed
+                               if r["hole"][j] == h and overlap_t(i, j))
+                at = 0
+                for lo, hi in taken:
+                    if lo >= at + size[i]:
+                        break
+                    at = max(at, hi)
+                assert at + size[i] > cap, (rule, i, h)
 
 
 def test_hole_filling_prefers_blocks_alive_at_the_peak():

@@ -380,6 +380,7 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
     fill_by_skyline(blocks, period, hole_sizes, r);
     return r;
   }
+  // Greedy.
   const std::vector<long long> live = live_profile(blocks, period);
   const auto peak_t = static_cast<std::size_t>(std::max_element(live.begin(), live.end()) - live.begin());
   const PackBlock at_peak{peak_t, 1, 0};
@@ -394,7 +395,19 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
   }
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
     if (hot[a] != hot[b]) return hot[a] > hot[b];
-    return blocks[a].size > blocks[b].size;
+    const PackBlock& x = blocks[a];
+    const PackBlock& y = blocks[b];
+    switch (rule) {
+      case HoleRule::kGreedyByArea:
+        if (x.size * x.life != y.size * y.life) return x.size * x.life > y.size * y.life;
+        break;
+      case HoleRule::kGreedyByLife:
+        if (x.life != y.life) return x.life > y.life;
+        break;
+      default:
+        break;
+    }
+    return x.size > y.size;
   });
   std::vector<std::size_t> holes(hole_sizes.size());
   std::iota(holes.begin(), holes.end(), std::size_t{0});

@@ -66,14 +66,15 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
 // Holes: address ranges [0, size) free for the whole period, outside the arena. In the
 // allocator they are free space next to pages that long-lived blocks keep mapped anyway, which
 // a block placed there uses for little or no memory. Two rules:
-// - kGreedy: blocks alive at the peak of live bytes first (moving them lowers the bound the
-//   arena is measured against), larger first; each goes to the smallest hole where it fits at
-//   the lowest offset not used, during its lifetime, by the blocks placed there before it.
+// - kGreedy (by size), kGreedyByArea (size x lifetime), kGreedyByLife: blocks alive at the
+//   peak of live bytes first (moving them lowers the bound the arena is measured against),
+//   then by that key, largest first; each goes to the smallest hole where it fits at the
+//   lowest offset not used, during its lifetime, by the blocks placed there before it.
 // - kSkyline: holes largest first; each is filled by the skyline packer (as pack_blocks, its
 //   three deterministic tie rules, the one placing the most size x lifetime kept) with the
 //   blocks left, those that would rise above the hole left out.
 // Sizes (block and hole) should be multiples of the caller's alignment.
-enum class HoleRule { kGreedy, kSkyline };
+enum class HoleRule { kGreedy, kGreedyByArea, kGreedyByLife, kSkyline };
 struct HoleFill {
   static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
   std::vector<std::size_t> hole;    // per block: its hole, or kNone (it goes to the arena)

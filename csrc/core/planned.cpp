@@ -518,7 +518,7 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   // Blocks may first go to holes of the pool (page_holes: free parts of pages that blocks
   // outliving the period keep mapped, such as parameters and optimizer state), which cost only
   // the pages they need beyond those (unkept_bytes); the rest go to the arena. Taking blocks
-  // out can also make the rest pack worse, so the plan is packed with holes filled by either
+  // out can also make the rest pack worse, so the plan is packed with holes filled by each
   // rule of fill_holes and without holes, and the smallest footprint wins. Holes are those of now: a plan using some is packed again
   // at each arming.
   const auto t0 = std::chrono::steady_clock::now();
@@ -536,12 +536,14 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
     std::size_t footprint() const { return packed.arena + hole_cost; }
   };
   std::vector<Candidate> made;
-  for (const int use : {0, 1, 2}) {  // holes by skyline, holes greedily, no holes
-    if (use < 2 && hole_sizes.empty()) continue;
+  constexpr HoleRule kRules[] = {HoleRule::kSkyline, HoleRule::kGreedy, HoleRule::kGreedyByArea,
+                                 HoleRule::kGreedyByLife};
+  constexpr int kNoHoles = 4;
+  for (int use = 0; use <= kNoHoles; ++use) {  // holes by each rule, then no holes
+    if (use < kNoHoles && hole_sizes.empty()) continue;
     Candidate c;
-    c.fill = use == 2 ? fill_holes(all, p.period, {})
-                      : fill_holes(all, p.period, hole_sizes,
-                                   use == 0 ? HoleRule::kSkyline : HoleRule::kGreedy);
+    c.fill = use == kNoHoles ? fill_holes(all, p.period, {})
+                             : fill_holes(all, p.period, hole_sizes, kRules[use]);
     std::vector<PackBlock> blocks;
     std::vector<std::pair<std::uintptr_t, std::size_t>> placed;
     for (std::size_t k = 0; k < all.size(); ++k) {

@@ -3,8 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <iterator>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "../core/allocator_api.hpp"
 #include "../core/config.hpp"
@@ -233,8 +236,16 @@ PYBIND11_MODULE(_core, m) {
       [](const std::vector<std::size_t>& start, const std::vector<std::size_t>& life,
          const std::vector<std::size_t>& size, std::size_t period,
          const std::vector<std::size_t>& holes, const std::string& rule) {
-        if (rule != "greedy" && rule != "skyline") {
-          throw AllocatorError("fill_holes: rule must be 'greedy' or 'skyline', not '" + rule + "'");
+        const std::pair<const char*, HoleRule> rules[] = {
+            {"greedy", HoleRule::kGreedy},
+            {"greedy-area", HoleRule::kGreedyByArea},
+            {"greedy-life", HoleRule::kGreedyByLife},
+            {"skyline", HoleRule::kSkyline}};
+        const auto* found = std::find_if(std::begin(rules), std::end(rules),
+                                         [&](const auto& r) { return rule == r.first; });
+        if (found == std::end(rules)) {
+          throw AllocatorError("fill_holes: rule must be 'greedy', 'greedy-area', 'greedy-life' "
+                               "or 'skyline', not '" + rule + "'");
         }
         if (start.size() != life.size() || start.size() != size.size()) {
           throw AllocatorError("fill_holes: start, life and size differ in length");
@@ -247,8 +258,7 @@ PYBIND11_MODULE(_core, m) {
           }
           blocks[i] = {start[i], life[i], size[i]};
         }
-        const HoleFill r = fill_holes(blocks, period, holes,
-                                      rule == "skyline" ? HoleRule::kSkyline : HoleRule::kGreedy);
+        const HoleFill r = fill_holes(blocks, period, holes, found->second);
         std::vector<long long> hole(r.hole.size());
         for (std::size_t i = 0; i < hole.size(); ++i) {
           hole[i] = r.hole[i] == HoleFill::kNone ? -1 : static_cast<long long>(r.hole[i]);
