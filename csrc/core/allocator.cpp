@@ -362,6 +362,20 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
       insert_free(b);  // a driver error: the block goes back as it was
       throw;
     }
+    if (!backed && claimed_blocks_ != 0) {
+      // Free space reserved for a plan's holes may be what is missing: a plan is a
+      // preference, never a reason to fail. Give the claims back and try once more.
+      insert_free(b);
+      unclaim_locked();
+      b = find_free_block(pool, rounded, stream);
+      if (b == nullptr) b = new_virtual_segment(rounded, stream);
+      try {
+        backed = back(b, rounded);
+      } catch (...) {
+        insert_free(b);
+        throw;
+      }
+    }
     if (!backed) {
       insert_free(b);
       ++stats_.num_ooms;
@@ -513,6 +527,8 @@ Block* CachingAllocator::split(Block* b, std::uintptr_t at) {
   rest->size = b->addr + b->size - at;
   rest->stream = b->stream;  // the remainder keeps the owner the whole block had
   rest->free_seq = b->free_seq;
+  rest->claimed = b->claimed;
+  if (rest->claimed) ++claimed_blocks_;
   rest->segment = b->segment;
   rest->prev = b;
   rest->next = b->next;
@@ -546,7 +562,8 @@ Block* CachingAllocator::coalesce(Block* b) {
   // of the same owner, and shared ones (kAnyStream). Merging with another stream's block
   // would let one stream reuse memory the other may still be using.
   auto joinable = [&](Block* n) {
-    return n != nullptr && n->listed && (n->stream == b->stream || n->stream == kAnyStream);
+    return n != nullptr && n->listed && n->claimed == b->claimed &&
+           (n->stream == b->stream || n->stream == kAnyStream);
   };
   if (joinable(b->prev)) {
     Block* prev = b->prev;
@@ -570,20 +587,26 @@ Block* CachingAllocator::merge(Block* first, Block* second) {
   // A drain covers only blocks freed before it: the merged block is as young as its
   // youngest part.
   first->free_seq = std::max(first->free_seq, second->free_seq);
+  if (second->claimed) --claimed_blocks_;
+  if (first->claimed != second->claimed && first->claimed) {
+    first->claimed = false;  // only a wholly free segment merges across a claim (it ends)
+    --claimed_blocks_;
+  }
   delete_block(second);
   return first;
 }
 
 void CachingAllocator::insert_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
-  if (b->segment->arena) {
+  const bool reserved = b->segment->arena || b->claimed;
+  if (reserved) {
     arena_free_.insert(b);
   } else {
     pool.free.insert(b);
   }
   b->listed = true;
   if (b->is_whole_segment()) {
-    if (!b->segment->arena) unused_segments_.insert(b);  // arenas go back only when retired
+    if (!reserved) unused_segments_.insert(b);  // arenas go back only when retired
   } else {
     update_stat(&Stats::inactive_split, pool.small, 1);
     update_stat(&Stats::inactive_split_bytes, pool.small, static_cast<std::int64_t>(b->size));
@@ -592,14 +615,15 @@ void CachingAllocator::insert_free(Block* b) {
 
 void CachingAllocator::erase_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
-  if (b->segment->arena) {
+  const bool reserved = b->segment->arena || b->claimed;
+  if (reserved) {
     arena_free_.erase(b);
   } else {
     pool.free.erase(b);
   }
   b->listed = false;
   if (b->is_whole_segment()) {
-    if (!b->segment->arena) unused_segments_.erase(b);
+    if (!reserved) unused_segments_.erase(b);
   } else {
     update_stat(&Stats::inactive_split, pool.small, -1);
     update_stat(&Stats::inactive_split_bytes, pool.small, -static_cast<std::int64_t>(b->size));
@@ -652,6 +676,10 @@ void CachingAllocator::collapse_free_segments() {
       }
     }
     while (head->next != nullptr) merge(head, head->next);
+    if (head->claimed) {  // the segment is wholly free: the plan's holes there are gone
+      head->claimed = false;
+      --claimed_blocks_;
+    }
     if (seg->vmm && owners.size() > 1) {
       for (StreamId s : owners) synchronize_stream(s);
       head->stream = kAnyStream;
@@ -887,15 +915,14 @@ std::uintptr_t CachingAllocator::create_arena(std::size_t bytes) {
 
 Block* CachingAllocator::free_run(const Segment* seg, std::uintptr_t lo, std::uintptr_t hi,
                                   StreamId stream, StreamId* foreign) {
+  // Arenas' free blocks and claimed ones are listed by address; in the rest of a pool
+  // segment (a hole that is not claimed), free blocks are listed by size: walk the segment.
   Block* first = nullptr;
-  if (seg->arena) {
-    Block probe;
-    probe.addr = lo;
-    auto it = arena_free_.upper_bound(&probe);
-    if (it == arena_free_.begin()) return nullptr;
-    first = *std::prev(it);
-  } else {
-    // A hole in a pool segment: its free blocks are listed by size, so walk the segment.
+  Block probe;
+  probe.addr = lo;
+  auto it = arena_free_.upper_bound(&probe);
+  if (it != arena_free_.begin()) first = *std::prev(it);
+  if (!seg->arena && (first == nullptr || first->segment != seg || first->addr + first->size <= lo)) {
     for (first = seg->head; first != nullptr && first->addr + first->size <= lo;) first = first->next;
   }
   if (first == nullptr || first->segment != seg || first->addr > lo ||
@@ -903,8 +930,9 @@ Block* CachingAllocator::free_run(const Segment* seg, std::uintptr_t lo, std::ui
     return nullptr;
   }
   for (Block* b = first;; b = b->next) {
-    // Free neighbours of different owners stay apart, so a range may span several blocks.
-    if (b == nullptr || !b->listed) return nullptr;
+    // Free neighbours of different owners stay apart, so a range may span several blocks; a
+    // range is claimed as a whole or not at all.
+    if (b == nullptr || !b->listed || b->claimed != first->claimed) return nullptr;
     if (b->stream != stream && b->stream != kAnyStream) {
       *foreign = b->stream;
       return nullptr;
@@ -982,6 +1010,63 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_holes
     }
   }
   return out;
+}
+
+std::size_t CachingAllocator::claim(
+    const std::vector<std::pair<std::uintptr_t, std::size_t>>& ranges) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t claimed = 0;
+  for (const auto& [lo, n] : ranges) {
+    if (n == 0 || lo % kMinBlockSize != 0 || n % kMinBlockSize != 0) continue;
+    auto it = segments_.upper_bound(lo);
+    if (it == segments_.begin()) continue;
+    Segment* seg = std::prev(it)->second;
+    if (!seg->vmm || seg->arena) continue;
+    Block* b = seg->head;
+    while (b != nullptr && b->addr + b->size <= lo) b = b->next;
+    const std::uintptr_t hi = lo + n;
+    if (b == nullptr || !b->listed || b->claimed || b->addr > lo || b->addr + b->size < hi) continue;
+    erase_free(b);
+    if (b->addr < lo) {
+      Block* mid = split(b, lo);
+      insert_free(b);
+      b = mid;
+    }
+    if (b->addr + b->size > hi) insert_free(split(b, hi));
+    b->claimed = true;
+    ++claimed_blocks_;
+    insert_free(b);
+    claimed += n;
+  }
+  return claimed;
+}
+
+void CachingAllocator::unclaim_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unclaim_locked();
+}
+
+void CachingAllocator::unclaim_locked() {
+  if (claimed_blocks_ == 0) return;
+  std::vector<Block*> free_ones;
+  for (Block* b : arena_free_) {
+    if (b->claimed) free_ones.push_back(b);
+  }
+  for (Block* b : free_ones) {
+    erase_free(b);
+    b->claimed = false;
+    --claimed_blocks_;
+  }
+  for (Block* b : free_ones) {
+    if (b->segment == nullptr) continue;  // absorbed by a neighbour in this pass
+    insert_free(coalesce(b));
+  }
+  for (auto& [addr, b] : allocated_) {  // in use (or waiting on events): back when freed
+    if (b->claimed) {
+      b->claimed = false;
+      --claimed_blocks_;
+    }
+  }
 }
 
 std::size_t CachingAllocator::unkept_bytes(

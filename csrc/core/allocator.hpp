@@ -105,6 +105,12 @@ class CachingAllocator : public Allocator {
   // `stream`, or if no such segment holds it.
   void* allocate_in_hole(std::uintptr_t addr, std::size_t rounded, std::int64_t requested,
                          StreamId stream);
+  // Reserves ranges (each inside one free block of a virtual pool segment, as page_holes
+  // gives them) for allocate_in_hole: best fit no longer hands them out. Ranges that are not
+  // free as a whole any more are skipped. Returns the bytes claimed.
+  std::size_t claim(const std::vector<std::pair<std::uintptr_t, std::size_t>>& ranges);
+  // Gives every claimed range back to best fit (blocks in use go back when freed).
+  void unclaim_all();
   // The arena becomes an ordinary segment: its free space serves best fit, and it goes back
   // to the device once wholly free (at once if it is now).
   void retire_arena(std::uintptr_t arena);
@@ -171,6 +177,7 @@ class CachingAllocator : public Allocator {
   Block* free_run(const Segment* seg, std::uintptr_t lo, std::uintptr_t hi, StreamId stream,
                   StreamId* foreign);
   Segment* arena_segment(std::uintptr_t arena) const;
+  void unclaim_locked();
   // allocate_at / allocate_in_hole once the segment is known; the caller holds the lock.
   void* allocate_range(Segment* seg, std::uintptr_t lo, std::size_t rounded,
                        std::int64_t requested, StreamId stream);
@@ -212,7 +219,8 @@ class CachingAllocator : public Allocator {
   std::map<std::uintptr_t, Segment*> segments_;           // by address, to find a pointer's segment
   std::set<Block*, LargestFirst> unused_segments_;        // free blocks spanning a whole segment
                                                           // (arenas excepted)
-  std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas
+  std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas, and claimed ones
+  std::size_t claimed_blocks_ = 0;                        // blocks (free or not) marked claimed
   std::deque<PendingEvent> pending_;
   std::vector<EventHandle> event_pool_;
   std::vector<StreamId> draining_;  // streams with a drain event in flight

@@ -25,6 +25,10 @@ struct Block {
   StreamId stream = 0;
   bool allocated = false;
   bool listed = false;                // in its pool's free list
+  // Reserved for a plan (holes of pymemplan-planned, CachingAllocator::claim): free, it is
+  // listed with the arenas' free blocks, which best fit never searches; allocated, it goes
+  // back there when freed. Claimed and unclaimed neighbours never merge.
+  bool claimed = false;
   int pending_events = 0;             // freed, but waiting on this many events before reuse
   std::vector<StreamId> stream_uses;  // streams other than `stream` that used it (record_stream)
   std::uint64_t free_seq = 0;         // order in which it became free (for stream drains)

@@ -230,7 +230,7 @@ void PlannedAllocator::empty_cache() {
     pool_->trim(0, 0);
     arena_ = 0;
     arena_size_ = 0;
-    armed_ = false;
+    stop_serving();
   }
 }
 
@@ -478,8 +478,13 @@ void PlannedAllocator::refresh(Plan& p) {
   }
 }
 
-void PlannedAllocator::disarm() {
+void PlannedAllocator::stop_serving() {
   armed_ = false;
+  pool_->unclaim_all();  // the holes of the plan that served go back to best fit
+}
+
+void PlannedAllocator::disarm() {
+  stop_serving();
   // Without virtual memory an idle arena holds its whole size: it goes back now (a plan that
   // arms again gets a new one). With virtual memory its idle pages go back as the pool needs
   // them (the grow mark).
@@ -578,6 +583,17 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   }
   for (std::size_t k = 0; k < c.arena_slot.size(); ++k) p.slots[c.arena_slot[k]].offset[v] = c.packed.offsets[k];
   p.holes[v] = c.fill.placed_bytes != 0;
+  // The part of each hole the plan uses is claimed from the pool when the plan arms.
+  std::vector<std::size_t> top(holes.size(), 0);
+  for (std::size_t k = 0; k < all.size(); ++k) {
+    if (c.fill.hole[k] != HoleFill::kNone) {
+      top[c.fill.hole[k]] = std::max(top[c.fill.hole[k]], c.fill.offset[k] + all[k].size);
+    }
+  }
+  p.claims[v].clear();
+  for (std::size_t h = 0; h < holes.size(); ++h) {
+    if (top[h] != 0) p.claims[v].emplace_back(holes[h].first, top[h]);
+  }
   p.hole_cost[v] = c.hole_cost;
   p.arena[v] = c.packed.arena;
   p.bound[v] = live_bound(all, p.period);
@@ -599,6 +615,7 @@ bool PlannedAllocator::arm(int v) {
   if (static_cast<double>(p.bound[0]) < kMinPlanShare * static_cast<double>(live_hwm_)) return false;
   const std::int64_t high = pool_->reserved_high_water();
   if (p.refused_at[v] == high) return false;  // nothing changed since it was refused
+  pool_->unclaim_all();  // holes of an earlier arming are free space again
   // What the pool holds beyond its live blocks goes back (and the arena's pages beyond what
   // this plan needs), so that the steady state holds live pool blocks plus the arena.
   if (!p.packed[0] && !p.packed[1]) refresh(p);
@@ -655,6 +672,7 @@ bool PlannedAllocator::arm(int v) {
   }
   pool_->set_grow_mark(footprint);
   arm_limit_ = std::max(high, static_cast<std::int64_t>(footprint));
+  if (p.holes[v]) pool_->claim(p.claims[v]);
   armed_ = true;
   variant_ = v;
   ++arms_;
@@ -896,7 +914,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     // The same plan, made again from a pass where more lifetimes are known.
     plan.validated = true;
     plans_[replace] = std::move(plan);
-    armed_ = false;
+    stop_serving();
     active_ = replace;
     cursor_ = cursor;
     at_cut_ = false;
@@ -912,7 +930,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     if (victim == kNoOffset) {
       victim = active_;
       active_ = kNoOffset;
-      armed_ = false;
+      stop_serving();
     }
     plans_.erase(plans_.begin() + static_cast<std::ptrdiff_t>(victim));
     if (active_ != kNoOffset && active_ > victim) --active_;
@@ -947,7 +965,7 @@ void PlannedAllocator::mark_step() {
 void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   // Another plan's offsets would be served from an arena packed for the previous one: the
   // new plan arms at its own cut (or now, see below), after trimming for its needs.
-  if (index != active_) armed_ = false;
+  if (index != active_) stop_serving();
   active_ = index;
   cursor_ = cursor;
   at_cut_ = cursor == 0;

@@ -200,6 +200,7 @@ class PlannedAllocator : public Allocator {
     bool packed[2] = {false, false};  // offsets are computed when the plan first arms
     bool holes[2] = {false, false};   // some blocks went to holes: packed again at each arming
     std::size_t hole_cost[2] = {0, 0};  // bytes of pages the blocks in holes add to what is held
+    std::vector<std::pair<std::uintptr_t, std::size_t>> claims[2];  // hole ranges it uses
     std::vector<PackBlock> blocks;        // the planned blocks, on the circle from the cut
     std::vector<std::size_t> slot_block;  // per slot: its block, or kNoOffset
     std::uint64_t last_used = 0;
@@ -217,6 +218,8 @@ class PlannedAllocator : public Allocator {
   void boundary();
   bool arm(int variant);
   void disarm();
+  // Not serving from the active plan any more (armed_ false), its holes released.
+  void stop_serving();
   // Packs a variant; false (nothing set) if no packing fits in give_up bytes.
   bool pack(Plan& p, int variant, std::size_t give_up);
   // The blocks a packing variant places (and the slot of each).
