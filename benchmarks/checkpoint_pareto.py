@@ -40,11 +40,21 @@ profiler's memory events, ``pymemplan.planner.measure.measure_step``):
 - compiled (Inductor, on the CPU):
   - ``pymemplan``: ``torch.compile(model, backend=pymemplan.compile_backend(plan=plan,
     unplanned_peak_bytes=...))``: the plan for the same budget, which the backend
-    re-chooses for the compiled graph, its predictions calibrated by the measured peak
-    of the compiled step without a budget (the baseline, measured anyway);
+    re-chooses for the compiled graph (module-level plans against op-level ones, see
+    ``pymemplan/planner/checkpoint/op_level.py``), its predictions calibrated by the
+    measured peak of the compiled step without a budget (the baseline, measured anyway);
   - ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``: bisection
     over the float (``--bisect-steps``) for the largest value whose measured peak meets
     the budget; when the unbudgeted compiled step already meets it, 1.0.
+
+**Compiled budgets.** The compiled step saves less for backward than the eager one, so
+an eager-derived budget may already be met by the unplanned compiled step. The compiled
+methods are also compared at budgets defined the same way relative to the compiled
+step: ``fixed_c + f * (compiled unplanned peak - fixed_c)``, with ``fixed_c`` the least
+achievable compiled peak (the op-level model's prediction, calibrated by the measured
+unplanned compiled step, when every op that may be recomputed is:
+``CompileBackend.least_compiled_peak``). They are ``compiled_points`` in the JSON, each
+with its ``budget_basis``, and marked ``c`` (``0.3c``) in the tables.
 
 **Step time** is relative to the unplanned step in the same run: eager methods against
 the eager step, compiled ones against the compiled step without a budget. Each round
@@ -186,6 +196,19 @@ def nothing():
     return None
 
 
+def point_name(f) -> str:
+    """A budget point's key: the fraction ``f`` (eager-derived budget), or
+    ``("compiled", f)`` (the budget relative to the compiled unplanned step)."""
+    return f"{f[1]:g}c" if isinstance(f, tuple) else f"{f:g}"
+
+
+def plan_key(pl) -> tuple:
+    """What makes two compiled plans the same: an op-level plan's recomputed nodes, or a
+    module-level plan's units."""
+    key = getattr(pl, "key", None)
+    return ("ops",) + key if key is not None else tuple(sorted(pl.policies.items()))
+
+
 class Variants:
     """What to time: the baseline and each distinct variant once. ``add`` files a
     (method, fraction) point under ``key``; points with equal keys (the same plan, the
@@ -200,7 +223,7 @@ class Variants:
     def add(self, method, f, key, config):
         name = self.names.get(key)
         if name is None:
-            name = self.names[key] = f"{method}@{f:g}"
+            name = self.names[key] = f"{method}@{point_name(f)}"
             self.configs[name] = config
             self.points[name] = []
         self.points[name].append((method, f))
@@ -451,15 +474,27 @@ def run_model(name, scale, args, log):
 
     # -- compiled -------------------------------------------------------------------------
     if args.compile:
+        out["compiled_points"] = []
         out["compiled"] = run_compiled(model, inputs, loss_fn, budgets, plans, points, args,
-                                       record, log)
+                                       record, log, t, fixed, out["compiled_points"])
 
     out["points"] = [points[f] for f in sorted(points)]
     return out
 
 
-def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, log):
+def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, log, t,
+                 fixed, compiled_points):
+    """Ours and torch.compile's budget, at the eager-derived budgets (``points``) and at
+    budgets defined the same way relative to the compiled step (``compiled_points``,
+    filled here): ``fixed_c + f * (compiled unplanned peak - fixed_c)``, where
+    ``fixed_c`` is the least achievable compiled peak as the eager ``fixed`` is the least
+    achievable eager one: the peak our op-level model predicts (calibrated by the
+    measured unplanned compiled step) when every op that may be recomputed is
+    (``CompileBackend.least_compiled_peak``)."""
+    import dataclasses
+
     import pymemplan
+    from pymemplan.planner.checkpoint.plan import BudgetTooSmallError
 
     setup_compile()
     info = {"compiler": "inductor"}
@@ -469,44 +504,6 @@ def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, l
     info.update(baseline_measured_peak_bytes=base_peak, baseline_compile_seconds=cs)
     log(f"  compiled baseline: {cs:.0f} s to compile, measured {base_peak / MIB:.1f} MiB")
 
-    # Ours: the plan for the budget, re-chosen for the compiled graph by the backend. The
-    # joint graph is the same for every budget: the first backend compiles it and
-    # re-chooses for the other budgets on it (CompileBackend.rechoose); a choice already
-    # compiled (no checkpointing at all: the baseline) is not compiled again.
-    compiled_plans = {(): (base_cm, 0.0, base_peak)}
-    first = None
-    for f in sorted(budgets, reverse=True):
-        t0 = time.perf_counter()
-        if first is None:
-            # The baseline's measured peak calibrates the backend's predictions.
-            first = be = pymemplan.compile_backend(plan=plans[f],
-                                                   unplanned_peak_bytes=base_peak)
-            cm, cs, peak = compile_and_measure(model, be, inputs, loss_fn)
-            chosen, predicted = be.chosen or plans[f], be.predicted_peak_bytes
-            choose_s, trials = be.choose_seconds, len(be.trials)
-            info["calibration_bytes"] = be.calibration_bytes
-            # No checkpointing at all compiles to the baseline's graph: time that one.
-            key = tuple(sorted(chosen.policies.items()))
-            cm, _, peak = compiled_plans.setdefault(key, (cm, cs, peak))
-        else:
-            chosen, predicted = first.rechoose(plans[f])
-            choose_s, trials = time.perf_counter() - t0, None
-            key = tuple(sorted(chosen.policies.items()))
-            if key not in compiled_plans:
-                be = pymemplan.compile_backend(plan=chosen, adapt=False)
-                compiled_plans[key] = compile_and_measure(model, be, inputs, loss_fn)
-            cm, cs, peak = compiled_plans[key]
-        record(f, "pymemplan-compiled", peak, compile_seconds=cs,
-               solve_seconds=plans[f].solve_seconds + choose_s,
-               predicted_peak_bytes=predicted,
-               predicted_recompute_fraction=chosen.recompute_cost["fraction_of_forward"],
-               units=chosen.policies, trials=trials)
-        configs.add("pymemplan-compiled", f, id(cm), (cm, nothing, nothing))
-        log(f"  pymemplan compiled f={f:g}: measured {peak / MIB:.1f} MiB "
-            f"(predicted {predicted / MIB if predicted else float('nan'):.1f}), "
-            f"{len(chosen.recomputed)} units, {cs:.0f} s to compile")
-
-    # torch.compile's activation_memory_budget, bisected per budget.
     evals: dict[float, tuple] = {1.0: (base_cm, base_peak, 0.0)}
 
     def evaluate(amb):
@@ -518,8 +515,100 @@ def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, l
                 f"({cs:.0f} s to compile)")
         return evals[amb][1]
 
-    for f in sorted(budgets, reverse=True):
-        b = budgets[f]
+    # Ours first compiles for the loosest eager budget; its op-level model of the joint
+    # graph gives the least compiled peak, which defines the compiled budgets.
+    loosest = max(budgets, key=budgets.get)
+    t0 = time.perf_counter()
+    first = pymemplan.compile_backend(plan=plans[loosest], unplanned_peak_bytes=base_peak)
+    first_cm, first_cs, first_peak = compile_and_measure(model, first, inputs, loss_fn)
+    first_choose_s = first.choose_seconds
+    info["calibration_bytes"] = first.calibration_bytes
+    fixed_c = first.least_compiled_peak()
+    activation_c = base_peak - fixed_c
+    budgets_c = {f: int(fixed_c + f * activation_c) for f in budgets}
+    info.update(fixed_compiled_bytes=fixed_c, activation_compiled_bytes=activation_c,
+                fixed_compiled_definition=(
+                    "least achievable compiled peak: predicted by the op-level model "
+                    "(calibrated by the measured unplanned compiled step) with every "
+                    "recomputable op recomputed (CompileBackend.least_compiled_peak)"),
+                budgets_compiled={str(f): b for f, b in budgets_c.items()})
+    log("  compiled budgets (relative to the compiled step): " + ", ".join(
+        f"{f:g}: {b / MIB:.1f}" for f, b in budgets_c.items()) + " MiB")
+    cpoints = {("compiled", f): {"fraction": f, "budget_bytes": b,
+                                 "budget_basis": "compiled: fixed_c + f * (compiled "
+                                                 "unplanned peak - fixed_c)",
+                                 "methods": {}}
+               for f, b in budgets_c.items()}
+    all_budgets = dict(budgets)
+    all_budgets.update({k: p["budget_bytes"] for k, p in cpoints.items()})
+    all_points = dict(points)
+    all_points.update(cpoints)
+
+    def record_any(key, method, peak, **extra):
+        if not isinstance(key, tuple):
+            return record(key, method, peak, **extra)
+        b = all_budgets[key]
+        cpoints[key]["methods"][method] = dict(
+            measured_peak_bytes=int(peak) if peak is not None else None,
+            met=bool(peak is not None and peak <= b),
+            over_budget=(peak / b - 1) if peak is not None else None, **extra)
+
+    def eager_plan(key):
+        """The eager plan the backend starts from: for a compiled budget below what any
+        eager plan reaches, the least-peak one, with the compiled budget as its target."""
+        if not isinstance(key, tuple):
+            return plans[key]
+        b = all_budgets[key]
+        try:
+            return t.plan(b, model=model, inputs=inputs)
+        except BudgetTooSmallError as e:
+            least = t.plan(e.least_peak_bytes, model=model, inputs=inputs)
+            return dataclasses.replace(least, budget_bytes=b)
+
+    order = sorted(all_budgets, key=lambda k: -all_budgets[k])  # loosest first
+
+    # Ours: the plan for the budget, re-chosen for the compiled graph by the backend. The
+    # joint graph is the same for every budget: the first backend compiles it and
+    # re-chooses for the other budgets on it (CompileBackend.rechoose); a choice already
+    # compiled (no checkpointing at all: the baseline) is not compiled again.
+    compiled_plans = {(): (base_cm, 0.0, base_peak)}
+    for key in order:
+        t0 = time.perf_counter()
+        start = eager_plan(key)
+        if key == loosest:
+            # The baseline's measured peak calibrated the backend's predictions.
+            chosen, predicted = first.chosen or start, first.predicted_peak_bytes
+            choose_s, trials = first_choose_s, len(first.trials)
+            fraction = first.recompute_fraction
+            # No checkpointing at all compiles to the baseline's graph: time that one.
+            cm, cs, peak = compiled_plans.setdefault(plan_key(chosen),
+                                                     (first_cm, first_cs, first_peak))
+        else:
+            chosen, predicted = first.rechoose(start)
+            choose_s, trials = time.perf_counter() - t0, None
+            fraction = first.recompute_fraction
+            if plan_key(chosen) not in compiled_plans:
+                be = pymemplan.compile_backend(plan=chosen, adapt=False)
+                compiled_plans[plan_key(chosen)] = compile_and_measure(model, be, inputs,
+                                                                       loss_fn)
+            cm, cs, peak = compiled_plans[plan_key(chosen)]
+        record_any(key, "pymemplan-compiled", peak, compile_seconds=cs,
+                   solve_seconds=getattr(start, "solve_seconds", 0.0) + choose_s,
+                   predicted_peak_bytes=predicted,
+                   predicted_recompute_fraction=fraction,
+                   plan_kind="op-level" if getattr(chosen, "key", None) is not None
+                   else "module-level",
+                   units=chosen.policies, trials=trials)
+        configs.add("pymemplan-compiled", key, id(cm), (cm, nothing, nothing))
+        log(f"  pymemplan compiled {point_name(key)}: measured {peak / MIB:.1f} MiB "
+            f"(budget {all_budgets[key] / MIB:.1f}, predicted "
+            f"{predicted / MIB if predicted else float('nan'):.1f}), "
+            f"{'op-level' if getattr(chosen, 'key', None) is not None else 'module-level'} "
+            f"plan, {len(chosen.policies)} units, {cs:.0f} s to compile")
+
+    # torch.compile's activation_memory_budget, bisected per budget.
+    for key in order:
+        b = all_budgets[key]
         t0 = time.perf_counter()
         n0 = len(evals)
         if evaluate(1.0) > b:
@@ -530,31 +619,28 @@ def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, l
                     lo = mid
                 else:
                     hi = mid
-            meeting = [a for a, (_, pk, _) in evals.items() if pk <= b]
-            if not meeting:
-                evaluate(0.0)
-                meeting = [a for a, (_, pk, _) in evals.items() if pk <= b]
         meeting = [a for a, (_, pk, _) in evals.items() if pk <= b]
         amb = max(meeting) if meeting else min(evals, key=lambda a: evals[a][1])
-        record(f, "torch.compile-budget", evals[amb][1], activation_memory_budget=amb,
-               search_seconds=time.perf_counter() - t0, compilations=len(evals) - n0,
-               tried={str(a): v[1] for a, v in sorted(evals.items())})
-        configs.add("torch.compile-budget", f, id(evals[amb][0]),
+        record_any(key, "torch.compile-budget", evals[amb][1], activation_memory_budget=amb,
+                   search_seconds=time.perf_counter() - t0, compilations=len(evals) - n0,
+                   tried={str(a): v[1] for a, v in sorted(evals.items())})
+        configs.add("torch.compile-budget", key, id(evals[amb][0]),
                     (evals[amb][0], nothing, nothing))
-        log(f"  torch.compile budget f={f:g}: activation_memory_budget={amb:g}, measured "
-            f"{evals[amb][1] / MIB:.1f} MiB")
+        log(f"  torch.compile budget {point_name(key)}: activation_memory_budget={amb:g}, "
+            f"measured {evals[amb][1] / MIB:.1f} MiB")
     info["activation_memory_budget_tried"] = {str(a): v[1] for a, v in sorted(evals.items())}
 
     import torch
 
     before = dict(torch._dynamo.utils.counters["stats"])
-    times = configs.time(inputs, loss_fn, args.rounds, points)
+    times = configs.time(inputs, loss_fn, args.rounds, all_points)
     after = dict(torch._dynamo.utils.counters["stats"])
     info["recompiled_while_timing"] = after.get("unique_graphs", 0) - before.get("unique_graphs", 0)
     base_t = _median(times["baseline"]["cpu_seconds"])
     info["timing"] = times
     log(f"  compiled step {base_t:.3f} s CPU; " + ", ".join(
         f"{k} x{d['ratio']:.3f}" for k, d in times.items() if k != "baseline"))
+    compiled_points.extend(cpoints[k] for k in sorted(cpoints))
     return info
 
 
@@ -623,13 +709,14 @@ def table(results) -> str:
     rows = ["| model | f | budget (MiB) | method | measured peak (MiB) | met | step time vs "
             "unplanned | solve / search (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        for pt in r["points"]:
+        for pt in r["points"] + r.get("compiled_points", []):
+            fr = f"{pt['fraction']:g}" + ("c" if pt.get("budget_basis") else "")
             for m in METHODS:
                 d = pt["methods"].get(m)
                 if d is None:
                     continue
                 if d.get("measured_peak_bytes") is None:
-                    rows.append(f"| {r['model']} | {pt['fraction']:g} | "
+                    rows.append(f"| {r['model']} | {fr} | "
                                 f"{pt['budget_bytes'] / MIB:.1f} | {m} | — | — | — | "
                                 f"{d.get('status', '')} |")
                     continue
@@ -640,8 +727,10 @@ def table(results) -> str:
                     extra = f" ({d['segments']} segments)"
                 elif m == "torch.compile-budget":
                     extra = f" (budget={d['activation_memory_budget']:g})"
+                elif m == "pymemplan-compiled" and d.get("plan_kind"):
+                    extra = f" ({d['plan_kind']})"
                 rows.append(
-                    f"| {r['model']} | {pt['fraction']:g} | {pt['budget_bytes'] / MIB:.1f} | "
+                    f"| {r['model']} | {fr} | {pt['budget_bytes'] / MIB:.1f} | "
                     f"{m}{extra} | {d['measured_peak_bytes'] / MIB:.1f} | "
                     f"{'yes' if d['met'] else 'NO'} | "
                     + (f"{ratio:.3f}" if ratio is not None else "—")
@@ -676,9 +765,27 @@ def summary_table(results) -> str:
             if oc:
                 solve += f", {oc['solve_seconds']:.1f}"
             rows.append(f"| {r['model']} | {pt['fraction']:g} | {pt['budget_bytes'] / MIB:.0f} "
-                        f"| {cell(ours)} | {cell(seq, seq_prefix)} | {cell(oc)} "
+                        f"| {cell(ours)} | {cell(seq, seq_prefix)} | {cell(oc, kind(oc))} "
                         f"| {cell(tc, tc_prefix)} | {solve} |")
+    rows += ["", "Compiled budgets, relative to the compiled unplanned step "
+             "(fixed_c + f × compiled activation):", "",
+             "| model | f | compiled budget MiB | compiled unplanned MiB | pymemplan compiled "
+             "| torch.compile budget | solve s |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = (r.get("compiled") or {}).get("baseline_measured_peak_bytes")
+        for pt in r.get("compiled_points", []):
+            m = pt["methods"]
+            oc, tc = m.get("pymemplan-compiled"), m.get("torch.compile-budget")
+            tc_prefix = f"{tc['activation_memory_budget']:g}: " if tc else ""
+            rows.append(f"| {r['model']} | {pt['fraction']:g} | {pt['budget_bytes'] / MIB:.0f} "
+                        f"| {base / MIB:.0f} | {cell(oc, kind(oc))} | {cell(tc, tc_prefix)} "
+                        f"| {oc['solve_seconds']:.1f} |" if oc else "")
     return "\n".join(rows)
+
+
+def kind(d) -> str:
+    """"ops: " for an op-level compiled plan, "" otherwise."""
+    return "ops: " if d and d.get("plan_kind") == "op-level" else ""
 
 
 def plot(results, path):
@@ -693,7 +800,7 @@ def plot(results, path):
     for ax, r in zip(axes[0], results):
         for m, (marker, color) in style.items():
             xs, ys, met = [], [], []
-            for pt in r["points"]:
+            for pt in r["points"] + r.get("compiled_points", []):
                 d = pt["methods"].get(m)
                 if d and d.get("measured_peak_bytes") and d.get("step_time_ratio"):
                     xs.append(d["measured_peak_bytes"] / MIB)
@@ -708,9 +815,11 @@ def plot(results, path):
             ax.scatter([], [], marker=marker, color=color, label=m)
         for pt in r["points"]:
             ax.axvline(pt["budget_bytes"] / MIB, color="grey", linestyle="--", linewidth=0.8)
+        for pt in r.get("compiled_points", []):
+            ax.axvline(pt["budget_bytes"] / MIB, color="tab:green", linestyle=":", linewidth=0.8)
         ax.axhline(1.0, color="black", linewidth=0.6)
         ax.set_title(f"{r['model']} {r['sizes']}", fontsize=9)
-        ax.set_xlabel("measured peak (MiB); dashed: budgets")
+        ax.set_xlabel("measured peak (MiB)\nbudgets: dashed eager, dotted compiled", fontsize=8)
         ax.set_ylabel("step time / unplanned")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)

@@ -5,15 +5,18 @@ inputs, recompute transient and cost, the memory at every op as a linear functio
 choice), one cost model (``cost.py``), one module per solver (``chain_dp.py`` exact on
 chains, ``milp.py`` exact on any graph under a time limit, ``greedy.py`` fallback), the
 plan and its report (``plan.py``), and two ways to apply it: eager
-(``apply_eager.py``) and ``torch.compile`` (``compile_backend.py``).
+(``apply_eager.py``) and ``torch.compile`` (``compile_backend.py``). For the compiled
+step, ``op_level.py`` adds op-level units on AOTAutograd's joint graph (save or recompute
+each forward op, a MILP), which the backend weighs against the module-level plans.
 """
 
 from .compile_backend import CompileBackend, compile_backend
+from .op_level import OpPlan
 from .plan import BudgetTooSmallError, Decision, Plan, make_plan, pareto
 from .problem import Candidate, CheckpointProblem, build_problem
 
 __all__ = ["BudgetTooSmallError", "Candidate", "CheckpointProblem", "CompileBackend",
-           "Decision", "Plan", "build_problem", "compile_backend", "make_plan", "pareto", "plan"]
+           "Decision", "OpPlan", "Plan", "build_problem", "compile_backend", "make_plan", "pareto", "plan"]
 
 
 def plan(model, inputs, budget, *, modules=None, policies=("full", "save-compute"),

@@ -10,7 +10,8 @@ does under compile:
   ``MUST_RECOMPUTE``;
 
 random ops (dropout) are never tagged for recompute: recomputing them would draw new
-masks. Each module gets its own ``ac_graph_id``, so the boundary between two adjacent
+masks; nor are ops that read an input the step mutates (BatchNorm's running statistics,
+when not decomposed): the recompute would read the new value. Each module gets its own ``ac_graph_id``, so the boundary between two adjacent
 recomputed modules stays saved. PyTorch's min-cut partitioner then honours the tags and
 decides the rest itself.
 
@@ -22,12 +23,23 @@ ops and the min-cut partitioner recomputes cheap ones by itself, so the forward 
 less for backward, and a recomputed memory-bound op costs little once fused into the
 backward kernel that reads it. So by default (``adapt=True``) the backend re-chooses,
 inside the partitioner where it sees the joint graph, the cheapest plan whose *compiled*
-step is predicted to fit the budget: plans are priced for the compiled step
-(:func:`compiled_costs`: the bytes term of each recompute cost scaled down, FLOPs kept),
-each candidate plan is partitioned for real on a copy of the joint graph, and the
-compiled peak is predicted from the eager timeline with the eager activations replaced
-by what the compiled forward saves (:func:`predict_compiled_peak`). If the unplanned
-compiled step fits, nothing is recomputed. A measured peak of the unplanned compiled
+step is predicted to fit the budget. Two kinds of plan compete:
+
+- module-level: the eager plans for budgets between the given one and the unplanned
+  peak, priced for the compiled step (:func:`compiled_costs`: the bytes term of each
+  recompute cost scaled down, FLOPs kept);
+- op-level (``op_level.py``): every forward op of the joint graph saved or recomputed,
+  chosen by a MILP (HiGHS) over the joint graph, so that memory-bound ops (norms,
+  activations, pointwise ops, views) are recomputed from saved compute-bound outputs
+  where that is cheap, and compute-bound ops too where the budget needs it.
+
+Each candidate plan is partitioned for real on a copy of the joint graph and its
+compiled peak predicted from the eager timeline, with the eager activations replaced by
+what the compiled forward saves and, for op-level plans, the values backward recomputes
+and materialises added (:func:`predict_compiled_peak`). Both kinds are priced the same
+way for the comparison: by the ops their partition recomputes beyond the unplanned one,
+on the joint graph, with the op-level cost model. The cheapest plan predicted to fit is
+taken. If the unplanned compiled step fits, nothing is recomputed. A measured peak of the unplanned compiled
 step (``unplanned_peak_bytes``) calibrates the predictions for what the compiler
 allocates that the eager trace cannot see.
 
@@ -39,6 +51,7 @@ debugging).
 
 from __future__ import annotations
 
+import operator
 import re
 
 from ..errors import PlannerError
@@ -107,8 +120,11 @@ def tag_graph(graph, policies: dict[str, str], order_of_children: dict | None = 
 
     from .cost import is_compute_bound
 
+    from .op_level import mutated_placeholders
+
     order = {m: k for k, m in enumerate(policies)}
     modules, segments = _units(policies, order_of_children)
+    mutated = mutated_placeholders(graph)
     tagged = 0
     for node in graph.nodes:
         if node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
@@ -133,6 +149,11 @@ def tag_graph(graph, policies: dict[str, str], order_of_children: dict | None = 
                 if isinstance(target, torch._ops.OpOverload) else str(target))
         if torch.Tag.nondeterministic_seeded in tags:
             policy = CheckpointPolicy.MUST_SAVE  # a new mask on recompute would be wrong
+        elif any(a in mutated for a in node.all_input_nodes):
+            policy = CheckpointPolicy.MUST_SAVE  # it reads an input the step mutates
+        elif (target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+              and node.args[0].meta.get("recompute") == CheckpointPolicy.MUST_SAVE):
+            policy = CheckpointPolicy.MUST_SAVE  # a kept op's outputs are kept
         elif policies[owner] == "save-compute" and is_compute_bound(name):
             policy = CheckpointPolicy.MUST_SAVE
         else:
@@ -202,49 +223,125 @@ def _inside(module: str, modules) -> bool:
     return any(module == m or not m or module.startswith(m + ".") for m in modules)
 
 
-def predict_compiled_peak(problem, x, saved: list, modules=None) -> int:
-    """The compiled step's peak with plan ``x``, from the eager one: at every op, the
-    eager activations the model's forward leaves for backward (made in ``modules``, if
-    given; live from the op that made them until eager frees them) are replaced by
-    what the compiled forward saves (``saved``: ``(bytes, module)`` from
-    :func:`_saved_storages`), each saved storage live from the start of its module's
-    forward to the end of its module's backward."""
-    import numpy as np
+def _recompute_transients(bw, recomputed: set) -> list:
+    """``(bytes, modules)`` of each value the backward graph ``bw`` recomputes (of the
+    forward nodes named in ``recomputed``) and materialises: one a non-pointwise op reads
+    (a convolution's or matmul's backward), so no fusion makes it vanish. ``modules``:
+    the modules whose backward reads it (the backward nodes' ``fwd_nn_module_stack``),
+    during whose backward it is live."""
+    import torch
 
-    from ..capture import OUTSIDE
-    from ..graph import ACTIVATION, BACKWARD, FORWARD
-    from ..timeline import build_timeline
+    out = []
+    for nd in bw.graph.nodes:
+        if nd.op != "call_function" or nd.name not in recomputed:
+            continue
+        v = nd.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        if any(isinstance(a.meta.get("val"), torch.Tensor) and
+               a.meta["val"].untyped_storage()._cdata == v.untyped_storage()._cdata
+               for a in nd.all_input_nodes):
+            continue  # a view: no storage of its own
+        readers = [u for u in nd.users if u.op == "call_function" and u.name not in recomputed]
+        mods = set()
+        for u in readers:
+            stack = list((u.meta.get("fwd_nn_module_stack") or
+                          u.meta.get("nn_module_stack") or {}).values())
+            if stack:
+                mods.add(_module_path(stack[-1][0]))
+        if readers:
+            out.append((int(v.untyped_storage().nbytes()), sorted(mods)))
+    return out
 
-    g = problem.simulated_graph(np.asarray(x, dtype=np.int64))
-    n = max(g.num_ops, 1)
-    mem = build_timeline(g).total.astype(np.int64)
-    end = g.phase_starts.get(BACKWARD, n)
-    diff = np.zeros(n + 1, dtype=np.int64)
-    for t in g.tensors:  # the eager activations
-        if (t.category != ACTIVATION or t.alloc_op < 0 or t.alloc_op >= end or not t.size
-                or t.module == OUTSIDE or (t.freed_before is not None and t.freed_before <= end)
-                or (modules is not None and not _inside(t.module, modules))):
-            continue
-        diff[t.alloc_op] -= t.size
-        diff[min(t.freed_before if t.freed_before is not None else n, n)] += t.size
-    first, last = {}, {}  # module path (and each parent) -> its first forward / last backward op
-    for op in g.ops:
-        if op.module == OUTSIDE or op.phase not in (FORWARD, BACKWARD):
-            continue
-        parts = op.module.split(".") if op.module else []
-        for k in range(len(parts) + 1):
-            key = ".".join(parts[:k])
-            if op.phase == FORWARD:
-                first.setdefault(key, op.index)
-            else:
-                last[key] = op.index
-    for size, module in saved:
+
+class EagerAxis:
+    """The eager step's timeline, as the compiled step's memory is predicted on it: the
+    live bytes at every op of the eager step with plan ``x`` and the eager activations
+    the model's forward leaves for backward (made in ``modules``, if given; live from
+    the op that made them until eager frees them) taken out (``base``), and where each
+    module's forward and backward run (:meth:`saved_span`, :meth:`backward_span`), to
+    place what the compiled step keeps instead."""
+
+    def __init__(self, problem, x, modules=None):
+        import numpy as np
+
+        from ..capture import OUTSIDE
+        from ..graph import ACTIVATION, BACKWARD, FORWARD
+        from ..timeline import build_timeline
+
+        g = problem.simulated_graph(np.asarray(x, dtype=np.int64))
+        n = self.n = max(g.num_ops, 1)
+        mem = build_timeline(g).total.astype(np.int64)
+        end = self.end = g.phase_starts.get(BACKWARD, n)
+        diff = np.zeros(n + 1, dtype=np.int64)
+        for t in g.tensors:  # the eager activations
+            if (t.category != ACTIVATION or t.alloc_op < 0 or t.alloc_op >= end or not t.size
+                    or t.module == OUTSIDE
+                    or (t.freed_before is not None and t.freed_before <= end)
+                    or (modules is not None and not _inside(t.module, modules))):
+                continue
+            diff[t.alloc_op] -= t.size
+            diff[min(t.freed_before if t.freed_before is not None else n, n)] += t.size
+        self.base = mem + np.cumsum(diff[:-1])
+        # module path (and each parent) -> its first forward, first and last backward op
+        self.first, self.bfirst, self.last = {}, {}, {}
+        for op in g.ops:
+            if op.module == OUTSIDE or op.phase not in (FORWARD, BACKWARD):
+                continue
+            parts = op.module.split(".") if op.module else []
+            for k in range(len(parts) + 1):
+                key = ".".join(parts[:k])
+                if op.phase == FORWARD:
+                    self.first.setdefault(key, op.index)
+                else:
+                    self.last[key] = op.index
+                    self.bfirst.setdefault(key, op.index)
+
+    def saved_span(self, module: str) -> tuple:
+        """Ops during which a storage the compiled forward saves, made in ``module``,
+        is live: from the start of the module's forward to the end of its backward (of
+        the innermost enclosing module that has both)."""
         m = module
-        while m and (m not in last or m not in first):
+        while m and (m not in self.last or m not in self.first):
             m = m.rpartition(".")[0]
-        diff[min(first.get(m, 0), n)] += size
-        diff[min(last.get(m, n - 1) + 1, n)] -= size
-    return int((mem + np.cumsum(diff[:-1])).max())
+        return min(self.first.get(m, 0), self.n - 1), min(self.last.get(m, self.n - 1),
+                                                          self.n - 1)
+
+    def backward_span(self, modules) -> tuple:
+        """Ops from the first to the last backward op of ``modules`` (all backward if
+        none is known)."""
+        spans = []
+        for m in modules or [""]:
+            while m and (m not in self.last or m not in self.bfirst):
+                m = m.rpartition(".")[0]
+            spans.append((self.bfirst.get(m, self.end), self.last.get(m, self.n - 1)))
+        return (min(min(a for a, _ in spans), self.n - 1),
+                min(max(b for _, b in spans), self.n - 1))
+
+    def curve(self, saved=(), transients=()):
+        import numpy as np
+
+        diff = np.zeros(self.n + 1, dtype=np.int64)
+        for size, module in saved:
+            a, b = self.saved_span(module)
+            diff[a] += size
+            diff[b + 1] -= size
+        for size, mods in transients:
+            a, b = self.backward_span(mods)
+            diff[a] += size
+            diff[b + 1] -= size
+        return self.base + np.cumsum(diff[:-1])
+
+
+def predict_compiled_peak(problem, x, saved: list, modules=None, transients=()) -> int:
+    """The compiled step's peak with plan ``x``, from the eager one (:class:`EagerAxis`):
+    at every op, the eager activations the model's forward leaves for backward are
+    replaced by what the compiled forward saves (``saved``: ``(bytes, module)`` from
+    :func:`_saved_storages`), each saved storage live from the start of its module's
+    forward to the end of its module's backward. ``transients``: ``(bytes, modules)``
+    of values recomputed in backward (:func:`_recompute_transients`), live from the first
+    to the last backward op of those modules."""
+    return int(EagerAxis(problem, x, modules).curve(saved, transients).max())
 
 
 FUSED_BYTES = 0.1  # share of a memory-bound op's eager cost left when Inductor recomputes it
@@ -281,13 +378,22 @@ class CompileBackend:
     """A ``torch.compile`` backend applying ``plan``; see :func:`compile_backend`."""
 
     def __init__(self, plan, compiler: str = "inductor", adapt: bool = True,
-                 search_steps: int = 4, unplanned_peak_bytes: int | None = None):
+                 search_steps: int = 4, unplanned_peak_bytes: int | None = None,
+                 op_level: bool = True, op_time_limit: float = 10.0):
         if compiler not in ("aot_eager", "inductor"):
             raise PlannerError(f"compiler={compiler!r}: use 'aot_eager' or 'inductor'")
         self.plan = plan
         self.compiler = compiler
         self.adapt = adapt and getattr(plan, "problem", None) is not None
         self.search_steps = search_steps
+        # Op-level units (op_level.py) besides the module-level plans, when adapting.
+        self.op_level = op_level
+        self.op_time_limit = op_time_limit
+        self.op_problem = None   # the op-level programme of the first joint graph
+        self.op_level_error = None  # why op-level units were dropped, if they were
+        self._cost = {}          # id(plan) -> recompute seconds priced on the joint graph
+        self.recompute_fraction = None  # the chosen plan's, priced on the joint graph
+        self._pred_none = None   # predicted (calibrated) peak of the unplanned compiled step
         # A measured peak of the compiled step without checkpointing calibrates the
         # predictions: the compiler's own buffers are not in the eager trace.
         self.unplanned_peak_bytes = unplanned_peak_bytes
@@ -322,49 +428,119 @@ class CompileBackend:
         With it (the default), the plan is re-chosen for the compiled step: compiling
         fuses and recomputes cheap ops by itself, so the graph may save less for
         backward than the eager step the plan was made for, and a cheaper plan may fit
-        (or, rarely, more, and a tighter one is needed). Each candidate plan (the eager
-        plans for budgets between ``plan``'s and the unplanned peak) is partitioned for
-        real on a copy of the joint graph, and its compiled peak predicted from the
-        eager timeline with the eager activations (what the model's forward leaves for
-        backward) replaced by what the compiled forward saves, op by op
-        (:func:`predict_compiled_peak`). The cheapest plan predicted to fit is chosen,
-        by bisection over the eager budget."""
-        import copy
+        (or, rarely, more, and a tighter one is needed). Two kinds of plan compete:
 
-        import numpy as np
-        import torch
+        - module-level: the eager plans for budgets between ``plan``'s and the unplanned
+          peak (bisection over the eager budget, :meth:`_choose_modules`);
+        - op-level (``op_level=True``): single ops of the joint graph saved or recomputed,
+          chosen by the MILP of ``op_level.py`` (:meth:`_choose_ops`).
 
-        from .plan import make_plan, BudgetTooSmallError
+        Each candidate plan is partitioned for real on a copy of the joint graph, and its
+        compiled peak predicted from the eager timeline with the eager activations (what
+        the model's forward leaves for backward) replaced by what the compiled forward
+        saves, op by op (:func:`predict_compiled_peak`). Of the plans predicted to fit,
+        the one with the least estimated recompute cost (both priced by the same
+        roofline, for the compiled step) is chosen; if none fits, the one with the lowest
+        predicted peak."""
+        from .plan import make_plan
 
         plan = plan if plan is not None else self.plan
         if not self.adapt or self._graphs > 1:
             return plan  # several graphs (graph breaks): no whole-step view to adapt with
         p = compiled_costs(plan.problem)
         budget = plan.budget_bytes
-        modules = _graph_modules(joint.graph)
-
-        def predict(pl):
-            trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
-            self._untag(trial.graph)
-            tag_graph(trial.graph, pl.policies, self._order())
-            fw, _bw = partitioner(trial, joint_inputs, **kwargs)
-            saved = _saved_storages(fw, kwargs.get("num_fwd_outputs", 0))
-            peak = predict_compiled_peak(p, pl.choice, saved, modules) + self.calibration_bytes
-            frac = pl.recompute_cost["fraction_of_forward"]
-            self.trials.append((pl.budget_bytes, frac, int(peak)))
-            return peak
+        ctx = dict(joint=joint, joint_inputs=joint_inputs, partitioner=partitioner,
+                   kwargs=kwargs, p=p, modules=_graph_modules(joint.graph))
 
         hi = int(p.base.max())
         none = make_plan(p, hi)
-        pred_none = predict(none)
+        pred_none, fw0, bw0 = self._predict(ctx, none, keep=True)
+        # The op-level model prices every plan on the joint graph, op-level or not.
+        if self.op_problem is None and self.op_level_error is None:
+            try:
+                self._op_problem(ctx, fw0, bw0)
+            except Exception as e:  # an op the model does not describe: modules only
+                self.op_level_error = f"{type(e).__name__}: {e}"
         if self.unplanned_peak_bytes is not None and not self._calibrated:
             self.calibration_bytes = int(self.unplanned_peak_bytes - pred_none)
             self._calibrated = True
             pred_none = int(self.unplanned_peak_bytes)
             self.trials[-1] = self.trials[-1][:2] + (pred_none,)
+        self._pred_none = pred_none
         if pred_none <= budget:
             self.predicted_peak_bytes = self.trials[-1][2]
+            self.recompute_fraction = 0.0
             return none
+        best, best_pred = self._choose_modules(ctx, plan, budget, hi, pred_none)
+        if self.op_level and self.op_problem is not None:
+            try:
+                op, op_pred = self._choose_ops(ctx, budget, pred_none)
+            except Exception as e:  # the partitioner refused the tags: modules only
+                self.op_level_error = f"{type(e).__name__}: {e}"
+                op, op_pred = None, None
+            if op is not None and op_pred <= budget and (
+                    best_pred > budget or self._cost[id(op)] <= self._cost[id(best)]):
+                best, best_pred = op, op_pred
+            elif op is not None and best_pred > budget and op_pred < best_pred:
+                best, best_pred = op, op_pred
+        self.predicted_peak_bytes = int(best_pred)
+        if self.op_problem is not None and self.op_problem.forward_seconds:
+            self.recompute_fraction = self._cost[id(best)] / self.op_problem.forward_seconds
+        else:
+            self.recompute_fraction = best.recompute_cost["fraction_of_forward"]
+        return best
+
+    def _predict(self, ctx, pl, keep=False):
+        """Partition a copy of the joint graph tagged for ``pl`` (a module-level
+        ``Plan`` or an ``OpPlan``) and predict the compiled peak; records a trial, and
+        the plan's recompute cost on the joint graph (the ops its backward graph
+        recomputes beyond the unplanned one's, priced as in ``op_level.py``) in
+        ``self._cost``. With ``keep``, returns ``(peak, fw, bw)``."""
+        import copy
+
+        import numpy as np
+        import torch
+
+        from .op_level import OpPlan, tag_ops
+
+        joint, kwargs = ctx["joint"], ctx["kwargs"]
+        trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        self._untag(trial.graph)
+        if isinstance(pl, OpPlan):
+            tag_ops(trial.graph, pl.tags, pl.targets)
+            x = np.zeros(ctx["p"].n, dtype=np.int64)
+        else:
+            tag_graph(trial.graph, pl.policies, self._order())
+            x = pl.choice
+        fw, bw = ctx["partitioner"](trial, ctx["joint_inputs"], **kwargs)
+        saved = _saved_storages(fw, kwargs.get("num_fwd_outputs", 0))
+        transients = ()
+        op_p = self.op_problem
+        if op_p is not None:
+            again = {n.name for n in bw.graph.nodes if n.op == "call_function"}
+            self._cost[id(pl)] = float(sum(op_p.cost[k] for k, nm in enumerate(op_p.names)
+                                           if nm in again))
+            if isinstance(pl, OpPlan):  # module-level plans carry their eager transient
+                transients = _recompute_transients(bw, again & set(op_p.names)
+                                                   - op_p.baseline_recomputed)
+        peak = predict_compiled_peak(ctx["p"], x, saved, ctx["modules"], transients)
+        # The spans of recomputed values are estimates (Inductor schedules the backward
+        # kernels and their buffers itself): allow for the largest one live once more.
+        peak += max((b for b, _ in transients), default=0) + self.calibration_bytes
+        frac = (self._cost[id(pl)] / op_p.forward_seconds if op_p is not None
+                and op_p.forward_seconds else pl.recompute_cost["fraction_of_forward"])
+        self.trials.append((pl.budget_bytes if not isinstance(pl, OpPlan) else "op-level",
+                            frac, int(peak)))
+        return (peak, fw, bw) if keep else peak
+
+    def _choose_modules(self, ctx, plan, budget, hi, pred_none):
+        """The cheapest module-level plan predicted to fit (bisection over the eager
+        budget); ``(plan, predicted peak)``."""
+        import numpy as np
+
+        from .plan import make_plan, BudgetTooSmallError
+
+        p = ctx["p"]
         # What compiling saves on the unplanned step bounds what it can save on any plan:
         # eager budgets beyond budget + that need not be tried.
         hi = min(hi, budget + max(int(hi - pred_none), 0))
@@ -373,7 +549,7 @@ class CompileBackend:
         except BudgetTooSmallError:
             pass
         best, lo = plan, budget
-        pred = predict(plan)
+        pred = self._predict(ctx, plan)
         if pred > budget:  # the compiled step needs more than the eager one: ask for less
             target, best_pred = budget, pred
             for _ in range(self.search_steps):
@@ -382,31 +558,117 @@ class CompileBackend:
                     tighter = make_plan(p, max(target, 1))
                 except BudgetTooSmallError:
                     break
-                pred = predict(tighter)
+                pred = self._predict(ctx, tighter)
                 if pred < best_pred:
                     best, best_pred = tighter, pred
                 if pred <= budget:
                     break
-            self.predicted_peak_bytes = int(best_pred)
-            return best
-        self.predicted_peak_bytes = int(pred)
+            return best, best_pred
+        best_pred = pred
         for _ in range(self.search_steps):
             mid = (lo + hi) // 2
             if mid <= lo:
                 break
             pl = make_plan(p, mid)
             if not np.array_equal(pl.choice, best.choice):
-                pk = predict(pl)
+                pk = self._predict(ctx, pl)
                 if pk > budget:
                     hi = mid
                     continue
-                self.predicted_peak_bytes = int(pk)
-                best = pl
+                best, best_pred = pl, pk
             lo = mid
-        return best
+        return best, best_pred
+
+    def _op_problem(self, ctx, fw0, bw0):
+        """The op-level programme (``op_level.py``) of this joint graph, built once from
+        the graph and its unplanned partition (``fw0``, ``bw0``: what it saves and
+        recomputes), with this model's figure for the unplanned partition's peak."""
+        import numpy as np
+
+        from .op_level import _module_of, build_op_problem
+
+        if self.op_problem is not None:
+            return self.op_problem
+        from torch._functorch.partitioners import classify_nodes
+
+        joint, kwargs = ctx["joint"], ctx["kwargs"]
+        info = classify_nodes(joint, list(kwargs.get("static_lifetime_input_indices")
+                                          or []), kwargs.get("num_fwd_outputs", 0))
+        out = next(n for n in reversed(fw0.graph.nodes) if n.op == "output")
+        saved = {a.name for a in out.args[0][kwargs.get("num_fwd_outputs", 0):]
+                 if hasattr(a, "name")}
+        recomputed = {n.name for n in bw0.graph.nodes if n.op == "call_function"}
+        op_p = build_op_problem(joint, info, saved, recomputed)
+        # On the eager step's timeline, as the predictions of the compiled peak are: the
+        # programme and the check of its answer see the same memory.
+        axis = EagerAxis(ctx["p"], np.zeros(ctx["p"].n, dtype=np.int64), ctx["modules"])
+        names = set(op_p.names)
+
+        def readers(nd):
+            mods = set()
+            for u in nd.users:
+                if u.op == "call_function" and u.name not in names:
+                    stack = list((u.meta.get("fwd_nn_module_stack") or
+                                  u.meta.get("nn_module_stack") or {}).values())
+                    if stack:
+                        mods.add(_module_path(stack[-1][0]))
+            return sorted(mods)
+
+        op_p.place(axis.base, lambda nd: axis.saved_span(_module_of(nd)),
+                   lambda nd: axis.backward_span(readers(nd)))
+        s0 = np.zeros(op_p.n, dtype=np.int64)
+        index = {nm: k for k, nm in enumerate(op_p.names)}
+        for nm in saved:  # a saved view keeps its base's storage
+            k = index.get(nm)
+            stack = [op_p.nodes[k]] if k is not None else []
+            while stack:
+                nd = stack.pop()
+                j = index.get(nd.name)
+                if j is None:
+                    continue
+                if op_p.can_save[j]:
+                    s0[j] = 1
+                else:
+                    stack.extend(nd.all_input_nodes)
+        op_p.baseline_peak = float(op_p.memory(s0, np.zeros(op_p.n)).max())
+        op_p.baseline_recomputed = recomputed & set(op_p.names)
+        self.op_problem = op_p
+        return op_p
+
+    def _choose_ops(self, ctx, budget, pred_none):
+        """The op-level plan (``op_level.py``) for ``budget``: the programme
+        (:meth:`_op_problem`) is calibrated so that its figure for the unplanned
+        partition equals the predicted unplanned peak ``pred_none``, then solved; if the
+        real partition of the solution is predicted over the budget, the model's limit
+        is set below that solution's modelled peak by the excess (doubled at each try)
+        and it is solved again (``search_steps`` times at most). Returns ``(plan or None, predicted peak)``."""
+        from .op_level import plan_ops
+
+        op_p = self.op_problem
+        cal = pred_none - op_p.baseline_peak
+        limit = budget - cal
+        best, best_pred = None, None
+        for attempt in range(self.search_steps):
+            pl = plan_ops(op_p, limit, budget, cal, time_limit=self.op_time_limit)
+            if pl is None:
+                break
+            pk = self._predict(ctx, pl)
+            if best is None or (pk <= budget < best_pred) or (
+                    (pk <= budget) == (best_pred <= budget) and
+                    (pl.recompute_seconds < best.recompute_seconds if pk <= budget
+                     else pk < best_pred)):
+                best, best_pred = pl, pk
+            if pk <= budget:
+                break
+            # Below this solution's own modelled peak, so that the next one differs; by
+            # more each time.
+            limit = min(limit, pl.modelled_peak_bytes - cal) - (pk - budget) * 2 ** attempt
+        return best, best_pred
 
     def _partition(self, partitioner, joint, joint_inputs, **kwargs):
         import time
+
+        from .op_level import OpPlan, tag_ops
 
         self._graphs += 1
         t0 = time.perf_counter()
@@ -421,10 +683,26 @@ class CompileBackend:
         self.choose_seconds += time.perf_counter() - t0
         if self.chosen is None:
             self.chosen = chosen
-        self.tagged += tag_graph(joint.graph, chosen.policies, self._order())
+        if isinstance(chosen, OpPlan):
+            self.tagged += tag_ops(joint.graph, chosen.tags, chosen.targets)
+        else:
+            self.tagged += tag_graph(joint.graph, chosen.policies, self._order())
         fw, bw = partitioner(joint, joint_inputs, **kwargs)
         self.saved_bytes += _saved_bytes(fw, kwargs.get("num_fwd_outputs", 0))
         return fw, bw
+
+    def least_compiled_peak(self) -> int:
+        """The compiled peak predicted when every op that may be recomputed is (by the
+        op-level model, calibrated like the plans' predictions): about the least any plan
+        reaches. Needs a backend that has compiled a graph with ``adapt=True``."""
+        from .op_level import recompute_all
+
+        if self.op_problem is None or self._pred_none is None:
+            raise PlannerError("least_compiled_peak() needs a backend that has compiled a "
+                               "graph with adapt=True")
+        p = self.op_problem
+        s, r = recompute_all(p)
+        return int(p.memory(s, r).max() + self._pred_none - p.baseline_peak)
 
     def rechoose(self, plan):
         """The plan this backend would follow for ``plan`` (made on the same problem,
@@ -440,6 +718,7 @@ class CompileBackend:
             chosen = self._choose(joint, joint_inputs, partitioner, dict(kwargs), plan)
             return chosen, self.predicted_peak_bytes
         finally:
+            self.rechoose_trials = self.trials  # this call's, for reports
             self._graphs, self.trials, self.predicted_peak_bytes = graphs, trials, pred
 
     def __call__(self, gm, example_inputs):
@@ -480,7 +759,7 @@ class CompileBackend:
 
 def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
                     compiler: str = "inductor", adapt: bool = True,
-                    unplanned_peak_bytes: int | None = None,
+                    unplanned_peak_bytes: int | None = None, op_level: bool = True,
                     **plan_kwargs) -> CompileBackend:
     """A backend for ``torch.compile(model, backend=...)`` that checkpoints as planned.
 
@@ -496,7 +775,10 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
     on ``torch.compile(model)``), if known: the predictions of the compiled peak are
     shifted by its difference from the predicted one, which covers what the compiler
     allocates that the eager trace cannot see (layout conversions, fused kernels'
-    buffers)."""
+    buffers). ``op_level``: let single ops of the joint graph be saved or recomputed
+    (``op_level.py``), competing with the module-level plans at the same cost model;
+    ``plan`` may also be an ``OpPlan`` that a backend chose (``backend.chosen``), followed
+    as it is on the same model's graph."""
     if plan is None:
         if budget is None or model is None or inputs is None:
             raise PlannerError(
@@ -507,4 +789,5 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
         from . import plan as make
 
         plan = make(model, inputs, budget, **plan_kwargs)
-    return CompileBackend(plan, compiler, adapt, unplanned_peak_bytes=unplanned_peak_bytes)
+    return CompileBackend(plan, compiler, adapt, unplanned_peak_bytes=unplanned_peak_bytes,
+                          op_level=op_level)
