@@ -871,3 +871,52 @@ def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams,
     r = _core.fuzz(30000, seed, POLICY, "", 4 << 30, limit, streams, True, 1000, True)
     assert r["mallocs"] - r["ooms"] == r["frees"] > 0  # all freed at the end
     assert r["plan_hits"] > 0 and r["plan_hole_hits"] > 0, r
+
+
+def test_holes_over_the_fake_driver_keep_every_block_intact():
+    """The hole scenario (optimizer state left on the first iteration's pages) through the
+    plugin over the fake CUDA driver, whose memory is real: every block is filled with its own
+    byte and checked before it is freed, the state at the very end, so a block served in a
+    hole that overlapped anything would show. The same requests on the simulated device are
+    served partly in holes."""
+    from test_plugin import FAKE, PLUGIN, ok
+
+    it = _with_small_saved(make_iteration(3, scale=0.5))
+    k = next(i for i, op in enumerate(it) if op[0] == "f" and op[1].startswith("grad"))
+    rng = random.Random(5)
+    state = [("a", f"state{i}", rng.randint(1, 300) * 1024 + rng.randint(0, 511), 0)
+             for i in range(40)]
+    steps = [it[:k] + state + it[k:]] + [it] * 9
+    r = Runner()
+    for i, ops in enumerate(steps):
+        r.run(ops, i)
+        for key in [key for key in r.ptr if key[1].startswith("state")]:
+            r.ptr[("persist", key[1])] = r.ptr.pop(key)
+    assert r.plan()["hole_hits"] > 0
+
+    if not (PLUGIN.exists() and FAKE.exists()):
+        pytest.skip("plugin or fake driver not built")
+    ok(f"""
+        steps = {steps!r}
+        live, kept = {{}}, {{}}
+        for t, ops in enumerate(steps):
+            for j, op in enumerate(ops):
+                if op[0] == "a":
+                    _, key, n, _stream = op
+                    p = alloc(n)
+                    assert p, err()
+                    v = (7 * t + j) % 251
+                    ctypes.memset(p, v, n)
+                    (kept if key.startswith("state") else live)[key] = (p, n, v)
+                else:
+                    p, n, v = live.pop(op[1])
+                    assert ctypes.string_at(p, n) == bytes([v]) * n, "memory shared by two blocks"
+                    free(p)
+        assert not live
+        for p, n, v in kept.values():
+            assert ctypes.string_at(p, n) == bytes([v]) * n, "optimizer state overwritten"
+            free(p)
+        assert stats()["allocated_bytes.all.current"] == 0
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_bytes_in_use(0) == 0 and fake.fakecuda_live_mappings() == 0
+    """, policy=POLICY, config="oom_action:null", FAKECUDA_CAPACITY=str(2 << 30))
