@@ -385,6 +385,33 @@ def _with_small_saved(it, seed=4):
     return out
 
 
+def _with_optimizer_state(it, n=60, max_kib=600, seed=5):
+    """``it`` as the first step runs it: optimizer state (small blocks that live on) is made
+    after backward, while the activations' memory is free."""
+    k = next(i for i, op in enumerate(it) if op[0] == "f" and op[1].startswith("grad"))
+    rng = random.Random(seed)
+    state = [("a", f"state{i}", rng.randint(1, max_kib) * 1024 + rng.randint(0, 511), 0)
+             for i in range(n)]
+    return it[:k] + state + it[k:]
+
+
+def _keep_state(r):
+    for key in [key for key in r.ptr if key[1].startswith("state")]:
+        r.ptr[("persist", key[1])] = r.ptr.pop(key)
+
+
+def _five_steps_with_state(config=""):
+    """A planned run five steps in, whose first step left optimizer state on its pages."""
+    r = Runner(config=config)
+    run_prologue(r)
+    it = _with_small_saved(make_iteration(3, scale=4))
+    r.run(_with_optimizer_state(it), 0)
+    _keep_state(r)
+    for i in range(1, 5):
+        r.run(it, i)
+    return r, it
+
+
 def test_holes_of_pages_kept_by_optimizer_state_serve_the_plan():
     """The first step also creates optimizer state: small blocks that live on, allocated after
     backward, so they land on the pages of the iteration's freed activations. Once the plan
@@ -392,18 +419,7 @@ def test_holes_of_pages_kept_by_optimizer_state_serve_the_plan():
     puts its small blocks into their free parts (holes) and needs less memory than without."""
     peaks = {}
     for holes in (1, 0):
-        r = Runner(config=f"holes:{holes}")
-        run_prologue(r)
-        it = _with_small_saved(make_iteration(3, scale=4))
-        k = next(i for i, op in enumerate(it) if op[0] == "f" and op[1].startswith("grad"))
-        rng = random.Random(5)
-        state = [("a", f"state{i}", rng.randint(1, 600) * 1024 + rng.randint(0, 511), 0)
-                 for i in range(60)]
-        r.run(it[:k] + state + it[k:], 0)
-        for key in [key for key in r.ptr if key[1].startswith("state")]:
-            r.ptr[("persist", key[1])] = r.ptr.pop(key)
-        for i in range(1, 5):
-            r.run(it, i)
+        r, it = _five_steps_with_state(f"holes:{holes}")
         r.reset_peaks()
         before = r.plan()
         for i in range(5, 9):
@@ -423,18 +439,7 @@ def test_claimed_holes_are_not_taken_by_requests_outside_the_plan():
     (here small blocks allocated between steps, outside the plan) never land there, so every
     planned request finds its hole free. Without claims, best fit put such blocks in the
     holes and 45 planned requests went to the pool instead."""
-    r = Runner()
-    run_prologue(r)
-    it = _with_small_saved(make_iteration(3, scale=4))
-    k = next(i for i, op in enumerate(it) if op[0] == "f" and op[1].startswith("grad"))
-    rng = random.Random(5)
-    state = [("a", f"state{i}", rng.randint(1, 600) * 1024 + rng.randint(0, 511), 0)
-             for i in range(60)]
-    r.run(it[:k] + state + it[k:], 0)
-    for key in [key for key in r.ptr if key[1].startswith("state")]:
-        r.ptr[("persist", key[1])] = r.ptr.pop(key)
-    for i in range(1, 5):
-        r.run(it, i)
+    r, it = _five_steps_with_state()
     before = r.plan()
     noise = random.Random(9)
     for i in range(5, 9):
@@ -882,16 +887,11 @@ def test_holes_over_the_fake_driver_keep_every_block_intact():
     from test_plugin import FAKE, PLUGIN, ok
 
     it = _with_small_saved(make_iteration(3, scale=0.5))
-    k = next(i for i, op in enumerate(it) if op[0] == "f" and op[1].startswith("grad"))
-    rng = random.Random(5)
-    state = [("a", f"state{i}", rng.randint(1, 300) * 1024 + rng.randint(0, 511), 0)
-             for i in range(40)]
-    steps = [it[:k] + state + it[k:]] + [it] * 9
+    steps = [_with_optimizer_state(it, n=40, max_kib=300)] + [it] * 9
     r = Runner()
     for i, ops in enumerate(steps):
         r.run(ops, i)
-        for key in [key for key in r.ptr if key[1].startswith("state")]:
-            r.ptr[("persist", key[1])] = r.ptr.pop(key)
+        _keep_state(r)
     assert r.plan()["hole_hits"] > 0
 
     if not (PLUGIN.exists() and FAKE.exists()):
