@@ -34,11 +34,16 @@ def eager_reference(model, x):
     return loss.detach(), [p.grad for p in eager.parameters()]
 
 
-def test_compiled_partition_follows_the_plan():
+def _traced_stack():
+    """A three-layer MLP, its input and its CPU trace."""
     torch.manual_seed(0)
     model = Stack(widths=[256, 512, 384])
     x = torch.randn(512, 128)
-    t = pymemplan.trace(model, (x,), device="cpu")
+    return model, x, pymemplan.trace(model, (x,), device="cpu")
+
+
+def test_compiled_partition_follows_the_plan():
+    model, x, t = _traced_stack()
     plan = t.plan(int(t.peak_bytes * 0.8), model=model, inputs=(x,))
     assert plan.modules
 
@@ -100,10 +105,7 @@ def test_inductor_backend_fits_the_budget_and_matches_eager():
     """Inductor (the default compiler): losses and gradients match eager; the backend
     re-chooses the plan for the compiled graph, and the measured compiled peak stays
     within the budget at no more recompute than the eager plan."""
-    torch.manual_seed(0)
-    model = Stack(widths=[256, 512, 384])
-    x = torch.randn(512, 128)
-    t = pymemplan.trace(model, (x,), device="cpu")
+    model, x, t = _traced_stack()
     p = t.checkpoint_problem(model, (x,))
     lo, _ = least_peak(p)
     budget = int(lo + 0.4 * (t.peak_bytes - lo))
@@ -128,10 +130,7 @@ def test_inductor_backend_fits_the_budget_and_matches_eager():
 
 
 def test_measured_unplanned_peak_calibrates_the_predictions():
-    torch.manual_seed(0)
-    model = Stack(widths=[256, 512, 384])
-    x = torch.randn(512, 128)
-    t = pymemplan.trace(model, (x,), device="cpu")
+    model, x, t = _traced_stack()
     plan = t.plan(int(t.peak_bytes * 0.9), model=model, inputs=(x,))
     measured = t.peak_bytes + (1 << 20)  # say the compiled step needs 1 MiB more
     be = pymemplan.compile_backend(plan=plan, compiler="aot_eager",

@@ -271,12 +271,18 @@ def test_packing_reaches_the_bound_on_simple_cases():
         _core.pack_blocks([100], [1], [512], 100)
 
 
-def test_packing_ratio_on_random_intervals_is_reported_and_small():
-    rng = random.Random(5)
-    n, period = 300, 1000
+def _random_blocks(seed, n, period, max_life, max_units):
+    """Blocks alive at random times on a circle of `period` steps: (start, life, size)."""
+    rng = random.Random(seed)
     start = [rng.randrange(period) for _ in range(n)]
-    life = [rng.randint(1, 200) for _ in range(n)]
-    size = [rng.randint(1, 2000) * 512 for _ in range(n)]
+    life = [rng.randint(1, max_life) for _ in range(n)]
+    size = [rng.randint(1, max_units) * 512 for _ in range(n)]
+    return start, life, size
+
+
+def test_packing_ratio_on_random_intervals_is_reported_and_small():
+    period = 1000
+    start, life, size = _random_blocks(5, 300, period, 200, 2000)
     r = _core.pack_blocks(start, life, size, period)
     _check_packing(start, life, size, period, r)
     assert 1.0 <= r["ratio"] < 1.25
@@ -306,11 +312,8 @@ def test_packing_reaches_the_bound_on_nested_lifetimes(seed):
 
 
 def test_packing_gives_up_and_stops_at_the_granule():
-    rng = random.Random(9)
-    n, period = 200, 500
-    start = [rng.randrange(period) for _ in range(n)]
-    life = [rng.randint(1, 100) for _ in range(n)]
-    size = [rng.randint(1, 200) * 512 for _ in range(n)]
+    period = 500
+    start, life, size = _random_blocks(9, 200, period, 100, 200)
     full = _core.pack_blocks(start, life, size, period, 8)
     assert full["runs"] >= 1
     # An arena within one granule of the bound is as good as the bound: fewer runs.

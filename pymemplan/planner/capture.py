@@ -461,6 +461,17 @@ def _backward(loss) -> None:
                          False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
+def backward_phase(rec, loss, phase_starts: dict) -> set:
+    """The forward pass has made ``loss``: whatever it made and is still alive now is kept
+    for backward (or is the loss itself), the activations. Runs backward as its own phase
+    and returns the activations' tensor ids."""
+    activations = {tid for tid in rec.live.values() if rec.tensors[tid].alloc_op != BEFORE_STEP}
+    rec.phase = BACKWARD
+    phase_starts[BACKWARD] = len(rec.ops)
+    _backward(loss)
+    return activations
+
+
 def _check_loss(loss) -> None:
     import torch
 
@@ -642,13 +653,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                     _check_loss(loss)
                     if scaler is not None:
                         loss = scaler.scale_loss(loss)
-                    # Whatever the forward pass made and is still alive now is kept for
-                    # backward (or is the loss itself): the activations.
-                    activations = {tid for tid in rec.live.values()
-                                   if rec.tensors[tid].alloc_op != BEFORE_STEP}
-                    rec.phase = BACKWARD
-                    phase_starts[BACKWARD] = len(rec.ops)
-                    _backward(loss)
+                    activations = backward_phase(rec, loss, phase_starts)
                     del loss
                 if opt is not None:
                     rec.phase = OPTIMIZER

@@ -596,16 +596,6 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _backward(loss) -> None:
-    """``loss.backward()`` calling the engine directly (as capture does), so Python code
-    running in backward still sees the torch-function layer."""
-    import torch
-    from torch.autograd.graph import _engine_run_backward
-
-    _engine_run_backward((loss,), (torch.ones_like(loss, memory_format=torch.preserve_format),),
-                         False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
 def _fsdp_params(model) -> list:
     from torch.distributed.fsdp import FSDPModule
 
@@ -684,11 +674,11 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils import _pytree as pytree
 
-    from ..planner.capture import (_check_loss, _describe_inputs, _fake_like, finish_recording,
-                                   _function_mode, _to_loss, _untraceable)
-    from ..planner.graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD,
-                                 GRADIENT, INPUT, OPTIMIZER, OPTIMIZER_STATE, PARAMETER,
-                                 StepGraph)
+    from ..planner.capture import (_backward, _check_loss, _describe_inputs, _fake_like,
+                                   _function_mode, _to_loss, _untraceable, backward_phase,
+                                   finish_recording)
+    from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
+                                 OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
     from ..planner.profile import kernel_overrides, state_on_device
 
@@ -867,12 +857,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
             with fake_mode, mode, _function_mode(rec, kernel_overrides(profile)):
                 phase_starts[FORWARD] = len(rec.ops)
                 loss = step()
-                # What the forward pass made and is still alive now is kept for backward.
-                activations = {tid for tid in rec.live.values()
-                               if rec.tensors[tid].alloc_op != BEFORE_STEP}
-                rec.phase = BACKWARD
-                phase_starts[BACKWARD] = len(rec.ops)
-                _backward(loss)
+                activations = backward_phase(rec, loss, phase_starts)
                 del loss
                 if opt is not None:
                     rec.phase = OPTIMIZER
