@@ -212,6 +212,16 @@ def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks,
         return placed
 
     check(_core.fill_holes(start, life, size, period, hole_sizes, "skyline"))
+    # Peak shaving only ever takes blocks off the arena's peak of live bytes.
+    r = _core.fill_holes(start, life, size, period, hole_sizes, "peak-shave")
+    placed = set(check(r))
+    left = [i for i in range(len(blocks)) if i not in placed]
+
+    def bound(ix):
+        return _core.pack_blocks([start[i] for i in ix], [life[i] for i in ix],
+                                 [size[i] for i in ix], period)["bound"] if ix else 0
+
+    assert bound(left) <= bound(list(range(len(blocks))))
     for rule in ("greedy", "greedy-area", "greedy-life"):
         r = _core.fill_holes(start, life, size, period, hole_sizes, rule)
         placed = check(r)
@@ -237,6 +247,19 @@ def test_hole_filling_prefers_blocks_alive_at_the_peak():
         _core.fill_holes([20], [1], [512], 20, [512])
     with pytest.raises(_core.AllocatorError, match="greedy"):
         _core.fill_holes([0], [1], [512], 20, [512], "best")
+
+
+def test_peak_shaving_fills_a_hole_only_where_it_saves_more_than_its_pages():
+    # A block of 3 KiB makes the peak; once it is out, one of 1 KiB, at another time. A 4 KiB
+    # hole whose pages all cost (4 KiB pages, none kept) would take 4 KiB to save 3: it stays
+    # empty. With its first 2 KiB on a kept page and 1 KiB pages, it costs 1 KiB to save all
+    # 3: both blocks go there, one after the other.
+    args = ([0, 5], [4, 2], [3072, 1024], 10, [4096], "peak-shave")
+    assert _core.fill_holes(*args, free=[0], page=4096)["hole"] == [-1, -1]
+    r = _core.fill_holes(*args, free=[2048], page=1024)
+    assert r["hole"] == [0, 0] and r["offset"] == [0, 0] and r["placed_bytes"] == 4096
+    with pytest.raises(_core.AllocatorError, match="free bytes for every hole"):
+        _core.fill_holes(*args, free=[0, 0], page=4096)
 
 
 def test_skyline_hole_filling_packs_a_stack_of_lifetimes_into_one_hole():
@@ -489,6 +512,35 @@ def test_a_step_of_identical_layers_is_found_with_or_without_marks(marks):
     ps = r.plan()
     assert hits[2:] == [allocs] * 3, hits
     assert ps["active_plan_period"] == 2 * allocs and ps["marks"] == (5 if marks else 0)
+    assert r.stats()["reserved_bytes.all.peak"] <= 1.01 * r.peak_live
+    check_invariants(r.alloc, r.device, r.live)
+
+
+def test_the_iteration_plan_keeps_the_cursor_through_an_optimizer_loop():
+    """Layers and an optimizer loop over parameter groups repeat inside the step, so detection
+    first finds short periods, some wrong. A plan too small to arm is not adopted by its first
+    requests, nor is one whose pass skipped many of its slots; detection keeps looking while
+    only such plans match. So the iteration's plan, once found, keeps the cursor through the
+    loop, arms at its cut, and serves whole steps: before, a wrong period (143 events of a
+    146-event step) kept being adopted, and one request per step came from a plan."""
+    layers, size = 12, 16 * MiB
+    ops = _identical_layers(layers, size)
+    k = next(i for i, op in enumerate(ops) if op[0] == "f" and op[1].startswith("grad"))
+    loop = []
+    for i in range(layers):  # the same few temporaries per parameter group
+        loop += [("a", f"m{i}", size // 8, 0), ("a", f"v{i}", size // 8, 0), ("f", f"m{i}"),
+                 ("f", f"v{i}")]
+    it = ops[:k] + loop + ops[k:]
+    r = Runner()
+    run_prologue(r)
+    allocs = sum(op[0] == "a" for op in it)
+    hits = []
+    for i in range(6):
+        before = r.plan()["plan_hits"]
+        r.run(it, i, check_every=17)
+        hits.append(r.plan()["plan_hits"] - before)
+    assert hits[2:] == [allocs] * 4, hits
+    assert r.plan()["active_plan_period"] == 2 * allocs
     assert r.stats()["reserved_bytes.all.peak"] <= 1.01 * r.peak_live
     check_invariants(r.alloc, r.device, r.live)
 

@@ -302,6 +302,79 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
 
 namespace {
 
+// The lowest offset of hole `h` where `b` fits under `capacity`, clear of the blocks already
+// there whose lifetimes overlap its own; kNone if there is none.
+std::size_t lowest_fit(const std::vector<PackBlock>& blocks, std::size_t period, const PackBlock& b,
+                       const std::vector<std::size_t>& in_hole, const std::vector<std::size_t>& offset,
+                       std::size_t capacity, std::vector<std::pair<std::size_t, std::size_t>>& taken) {
+  if (b.size > capacity) return kNone;
+  taken.clear();
+  for (std::size_t j : in_hole) {
+    if (lifetimes_overlap(b, blocks[j], period)) taken.emplace_back(offset[j], offset[j] + blocks[j].size);
+  }
+  std::sort(taken.begin(), taken.end());
+  std::size_t at = 0;
+  for (const auto& [lo, hi] : taken) {
+    if (lo >= at + b.size) break;
+    at = std::max(at, hi);
+  }
+  return at + b.size <= capacity ? at : kNone;
+}
+
+void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
+                const std::vector<std::size_t>& hole_sizes, const HoleCost& cost, HoleFill& r) {
+  std::vector<long long> live = live_profile(blocks, period);  // of the blocks left for the arena
+  auto add = [&](const PackBlock& b, long long sign) {
+    for (std::size_t k = 0; k < b.life; ++k) live[(b.start + k) % period] += sign * static_cast<long long>(b.size);
+  };
+  auto alive_at = [&](const PackBlock& b, std::size_t t) { return (t + period - b.start) % period < b.life; };
+  std::vector<std::size_t> holes(hole_sizes.size());
+  std::iota(holes.begin(), holes.end(), std::size_t{0});
+  // Smallest first: the free parts of pages kept anyway take blocks off the peak for nothing,
+  // and the large holes that cost pages then get only what is still worth them.
+  std::stable_sort(holes.begin(), holes.end(),
+                   [&](std::size_t a, std::size_t b) { return hole_sizes[a] < hole_sizes[b]; });
+  std::vector<std::size_t> by_size(blocks.size());
+  std::iota(by_size.begin(), by_size.end(), std::size_t{0});
+  std::stable_sort(by_size.begin(), by_size.end(),
+                   [&](std::size_t a, std::size_t b) { return blocks[a].size > blocks[b].size; });
+  std::vector<std::pair<std::size_t, std::size_t>> taken;
+  for (std::size_t h : holes) {
+    const long long before = *std::max_element(live.begin(), live.end());
+    std::vector<std::size_t> moved;
+    std::size_t top = 0;
+    for (;;) {
+      const auto t = static_cast<std::size_t>(std::max_element(live.begin(), live.end()) - live.begin());
+      bool placed = false;
+      for (std::size_t i : by_size) {
+        if (r.hole[i] != HoleFill::kNone || blocks[i].size == 0 || !alive_at(blocks[i], t)) continue;
+        const std::size_t at = lowest_fit(blocks, period, blocks[i], moved, r.offset, hole_sizes[h], taken);
+        if (at == kNone) continue;
+        r.hole[i] = h;
+        r.offset[i] = at;
+        moved.push_back(i);
+        top = std::max(top, at + blocks[i].size);
+        add(blocks[i], -1);
+        placed = true;
+        break;
+      }
+      if (!placed) break;
+    }
+    if (moved.empty()) continue;
+    const long long gain = before - *std::max_element(live.begin(), live.end());
+    const auto paid = static_cast<long long>(cost ? cost(h, top) : 0);
+    if (gain > paid || (gain == paid && paid == 0)) {
+      for (std::size_t i : moved) r.placed_bytes += blocks[i].size;
+      continue;
+    }
+    for (std::size_t i : moved) {  // not worth its pages: the blocks go back to the arena
+      r.hole[i] = HoleFill::kNone;
+      r.offset[i] = 0;
+      add(blocks[i], +1);
+    }
+  }
+}
+
 void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
                      const std::vector<std::size_t>& hole_sizes, HoleFill& r) {
   std::vector<std::size_t> holes(hole_sizes.size());
@@ -370,7 +443,7 @@ void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
 }  // namespace
 
 HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
-                    const std::vector<std::size_t>& hole_sizes, HoleRule rule) {
+                    const std::vector<std::size_t>& hole_sizes, HoleRule rule, const HoleCost& cost) {
   HoleFill r;
   r.hole.assign(blocks.size(), HoleFill::kNone);
   r.offset.assign(blocks.size(), 0);
@@ -378,6 +451,10 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
   check_blocks(blocks, period, "fill_holes");
   if (rule == HoleRule::kSkyline) {
     fill_by_skyline(blocks, period, hole_sizes, r);
+    return r;
+  }
+  if (rule == HoleRule::kPeakShave) {
+    shave_peak(blocks, period, hole_sizes, cost, r);
     return r;
   }
   // Greedy.
@@ -418,18 +495,8 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
   for (std::size_t i : order) {
     const PackBlock& b = blocks[i];
     for (std::size_t h : holes) {
-      if (hole_sizes[h] < b.size) continue;
-      taken.clear();
-      for (std::size_t j : in_hole[h]) {
-        if (lifetimes_overlap(b, blocks[j], period)) taken.emplace_back(r.offset[j], r.offset[j] + blocks[j].size);
-      }
-      std::sort(taken.begin(), taken.end());
-      std::size_t at = 0;  // the lowest gap that fits
-      for (const auto& [lo, hi] : taken) {
-        if (lo >= at + b.size) break;
-        at = std::max(at, hi);
-      }
-      if (at + b.size > hole_sizes[h]) continue;
+      const std::size_t at = lowest_fit(blocks, period, b, in_hole[h], r.offset, hole_sizes[h], taken);
+      if (at == kNone) continue;
       r.hole[i] = h;
       r.offset[i] = at;
       r.placed_bytes += b.size;

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace pymemplan {
@@ -74,14 +75,22 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
 //   three deterministic tie rules, the one placing the most size x lifetime kept) with the
 //   blocks left, those that would rise above the hole left out.
 // Sizes (block and hole) should be multiples of the caller's alignment.
-enum class HoleRule { kGreedy, kGreedyByArea, kGreedyByLife, kSkyline };
+// - kPeakShave: aimed at what a plan costs, the arena's peak plus the pages its holes add.
+//   Holes one at a time (smallest first): while a block alive at the arena's peak of live
+//   bytes fits the hole (at its lowest offset not used during its lifetime), the largest such
+//   block moves there, and the peak is found again. A hole keeps its blocks only if the peak
+//   fell by more than `cost(hole, top)`, the bytes of pages that using [0, top) of the hole
+//   adds (the allocator's unkept pages; no cost function: nothing); otherwise they go back.
+enum class HoleRule { kGreedy, kGreedyByArea, kGreedyByLife, kSkyline, kPeakShave };
 struct HoleFill {
   static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
   std::vector<std::size_t> hole;    // per block: its hole, or kNone (it goes to the arena)
   std::vector<std::size_t> offset;  // per block placed in a hole: its offset inside it
   std::size_t placed_bytes = 0;
 };
+using HoleCost = std::function<std::size_t(std::size_t hole, std::size_t top)>;
 HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
-                    const std::vector<std::size_t>& hole_sizes, HoleRule rule = HoleRule::kGreedy);
+                    const std::vector<std::size_t>& hole_sizes, HoleRule rule = HoleRule::kGreedy,
+                    const HoleCost& cost = nullptr);
 
 }  // namespace pymemplan

@@ -340,8 +340,11 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     // serves at once, where the active one waits for its cut.
     const std::uint64_t h = recent_prefix_hash();
     for (std::size_t i = 0; i < plans_.size(); ++i) {
+      // A plan too small to arm is not adopted: it would only take the cursor from the plan
+      // of the iteration while that one waits for its cut.
       if (plans_[i].prefix == h && plans_[i].slots.size() > kPrefix &&
-          (i != active_ || cursor_ != kPrefix)) {
+          (i != active_ || cursor_ != kPrefix) && worth_an_arena(plans_[i]) &&
+          !plans_[i].passed_over) {
         adopt(i, kPrefix);
         ++plan_switches_;
         break;
@@ -424,12 +427,15 @@ void PlannedAllocator::boundary() {
   // validates the plan; a validated plan that is not armed yet arms now.
   at_cut_ = false;
   Plan& p = plans_[active_];
-  if (pass_matches_ > 0 && pass_miss_bytes_ * kArmShare <= p.bound[0]) p.validated = true;
+  p.passed_over = pass_skipped_bytes_ * kArmShare > p.bound[0];
+  if (pass_matches_ > 0 && pass_miss_bytes_ * kArmShare <= p.bound[0] && !p.passed_over) {
+    p.validated = true;
+  }
   const std::size_t unplanned = pass_unplanned_bytes_;
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
   pass_unplanned_bytes_ = 0;
-  if (pass_skipped_bytes_ * kArmShare > p.bound[0]) {
+  if (p.passed_over) {
     // The pass passed over many planned slots: the plan may have the wrong period (a step of
     // identical layers repeats within itself). Detection looks again; serving goes on.
     ever_diverged_ = true;
@@ -542,13 +548,16 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   };
   std::vector<Candidate> made;
   constexpr HoleRule kRules[] = {HoleRule::kSkyline, HoleRule::kGreedy, HoleRule::kGreedyByArea,
-                                 HoleRule::kGreedyByLife};
-  constexpr int kNoHoles = 4;
+                                 HoleRule::kGreedyByLife, HoleRule::kPeakShave};
+  constexpr int kNoHoles = 5;
+  const HoleCost pages_added = [&](std::size_t h, std::size_t top) {
+    return pool_->unkept_bytes({{holes[h].first, top}});
+  };
   for (int use = 0; use <= kNoHoles; ++use) {  // holes by each rule, then no holes
     if (use < kNoHoles && hole_sizes.empty()) continue;
     Candidate c;
     c.fill = use == kNoHoles ? fill_holes(all, p.period, {})
-                             : fill_holes(all, p.period, hole_sizes, kRules[use]);
+                             : fill_holes(all, p.period, hole_sizes, kRules[use], pages_added);
     std::vector<PackBlock> blocks;
     std::vector<std::pair<std::uintptr_t, std::size_t>> placed;
     for (std::size_t k = 0; k < all.size(); ++k) {
@@ -606,13 +615,17 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   return true;
 }
 
+bool PlannedAllocator::worth_an_arena(const Plan& p) const {
+  return static_cast<double>(p.bound[0]) >= kMinPlanShare * static_cast<double>(live_hwm_);
+}
+
 bool PlannedAllocator::arm(int v) {
   Plan& p = plans_[active_];
   if (p.bound[0] == 0) return false;
   // A plan that covers a small share of the peak (a period of repeated layers, of the
   // optimizer's loop over parameter groups, ...) is not worth an arena: it would only shuffle
   // the pool's layout. The iteration's plan covers the activations, a large share.
-  if (static_cast<double>(p.bound[0]) < kMinPlanShare * static_cast<double>(live_hwm_)) return false;
+  if (!worth_an_arena(p)) return false;
   const std::int64_t high = pool_->reserved_high_water();
   if (p.refused_at[v] == high) return false;  // nothing changed since it was refused
   pool_->unclaim_all();  // holes of an earlier arming are free space again
@@ -712,8 +725,10 @@ std::uint64_t PlannedAllocator::recent_prefix_hash() const {
 }
 
 bool PlannedAllocator::should_plan(std::uint64_t n) const {
-  // Plan when there is no plan, or when the active one diverged within its last period.
-  if (active_ == kNoOffset) return true;
+  // Plan when there is no plan, or when the active one diverged within its last period, or
+  // when it is too small to arm: a period of repeated layers matches for long stretches, and
+  // detection must not sleep through them, or it misses where the iteration repeats.
+  if (active_ == kNoOffset || !worth_an_arena(plans_[active_])) return true;
   return ever_diverged_ && last_divergence_ + plans_[active_].period >= n;
 }
 
@@ -742,14 +757,20 @@ void PlannedAllocator::detect() {
   double best_score = -1.0, best_cov = 0.0;
   std::size_t examined = 0, largest = 0, work = 0;
   std::uint64_t oldest = kNever;
+  std::size_t repeats = 0;  // the shortest confirmed period among the candidates so far
   auto consider = [&](std::uint64_t end) {
     const std::uint64_t p64 = n - end;
     if (p64 < config_.min_period || p64 > config_.max_period || n - base_ < p64) return;
     const auto p = static_cast<std::size_t>(p64);
+    // Inside repeated layers, the window recurs at every multiple of the layers' period; those
+    // candidates describe the same repetition. Skipping them keeps detection cheap there, so
+    // that its pauses (below) do not make it miss the start of the next iteration.
+    if (repeats != 0 && p % repeats == 0) return;
     ++examined;
     largest = std::max(largest, p);
     const bool confirmed =
         n - base_ >= 2 * p64 && range_hash(n - p, n) == range_hash(n - 2 * p64, n - p);
+    if (confirmed && repeats == 0) repeats = p;
     // Scored on a sample of at most ~1024 allocations (exact for the winner, below).
     const std::size_t stride = std::max<std::size_t>(1, p / 2048);
     work += p / stride;

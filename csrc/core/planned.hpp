@@ -21,9 +21,11 @@
 //   share of the bytes allocated in the last P events whose lifetime is known (freed, or
 //   predicted from the same allocation one period earlier) and at most P (>= 50% to be
 //   planned; scored on a sample, exact for the winner). Confirmed candidates (the last P events
-//   equal the P before) win ties. Detection runs while there is no plan or the active plan
-//   diverged within its last period, at most once per (its work / 32) events; while the plan
-//   matches, the window index is not even updated (it catches up when detection resumes).
+//   equal the P before) win ties; multiples of a shorter confirmed candidate are not examined
+//   (repeated layers: the same repetition). Detection runs while there is no plan, the active
+//   plan diverged within its last period, or the active plan is too small to arm (a period of
+//   layers must not hide the iteration), at most once per (its work / 32) events; while a plan
+//   worth arming matches, the window index is not even updated (it catches up later).
 // - Cut. The plan's period is rotated to start where the fewest planned bytes are alive (the
 //   iteration boundary in training); blocks alive across it wrap around the circle. Blocks
 //   living longer than a period (parameters, optimizer state) stay with the pool.
@@ -34,7 +36,7 @@
 //   (arming when a stored plan is recognised by its first kPrefix requests, which the pool has
 //   served already).
 // - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its
-//   bound failed to match it, or at once when a stored plan is recognised at the start of an
+//   bound failed to match it and slots of less than that were skipped, or at once when a stored plan is recognised at the start of an
 //   iteration; only if its bound is >= 20% of the highest live bytes (periods of repeated layers
 //   are not worth an arena). Arming gives back what the pool holds beyond its live blocks
 //   (CachingAllocator::trim: unused pages, wholly free segments; arena pages beyond what this
@@ -56,7 +58,9 @@
 // - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
 //   index it: after a mismatch, or while no plan is armed, the last kPrefix requests select the
-//   plan that applies (alternating shapes, shapes that come back); a plan seen again is
+//   plan that applies (alternating shapes, shapes that come back), but never one too small to
+//   arm or one whose last pass skipped many of its slots (a wrong period, which would otherwise
+//   take the cursor from the iteration's plan while it waits for its cut); a plan seen again is
 //   recognised by its signature and not re-packed. One arena serves every plan (a plan needing
 //   more than its size gets a new one; the old one is retired into the pool).
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
@@ -205,6 +209,9 @@ class PlannedAllocator : public Allocator {
     std::vector<std::size_t> slot_block;  // per slot: its block, or kNoOffset
     std::uint64_t last_used = 0;
     bool validated = false;            // a pass over it matched (see kArmShare)
+    // Its last pass passed over many of its slots: probably the wrong period (a step of
+    // identical layers repeats within itself). Not adopted again by its prefix.
+    bool passed_over = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
   };
   struct Live {
@@ -217,6 +224,8 @@ class PlannedAllocator : public Allocator {
   const Slot* match_plan(std::size_t rounded, StreamId stream, bool* crossed);
   void boundary();
   bool arm(int variant);
+  // Whether the plan's bound is a large enough share of the highest live bytes to arm.
+  bool worth_an_arena(const Plan& p) const;
   void disarm();
   // Not serving from the active plan any more (armed_ false), its holes released.
   void stop_serving();

@@ -231,24 +231,37 @@ PYBIND11_MODULE(_core, m) {
       py::arg("search_rounds") = 2, py::arg("granule") = 1, py::arg("give_up") = 0);
 
   // The hole filler of pymemplan-planned (packing.hpp): blocks placed into fixed free ranges.
+  // For "peak-shave", what using [0, top) of hole h costs is modelled as in the allocator: the
+  // first free[h] bytes lie on pages kept anyway, the rest costs whole pages of `page` bytes.
   m.def(
       "fill_holes",
       [](const std::vector<std::size_t>& start, const std::vector<std::size_t>& life,
          const std::vector<std::size_t>& size, std::size_t period,
-         const std::vector<std::size_t>& holes, const std::string& rule) {
+         const std::vector<std::size_t>& holes, const std::string& rule,
+         const std::vector<std::size_t>& free, std::size_t page) {
         const std::pair<const char*, HoleRule> rules[] = {
             {"greedy", HoleRule::kGreedy},
             {"greedy-area", HoleRule::kGreedyByArea},
             {"greedy-life", HoleRule::kGreedyByLife},
-            {"skyline", HoleRule::kSkyline}};
+            {"skyline", HoleRule::kSkyline},
+            {"peak-shave", HoleRule::kPeakShave}};
         const auto* found = std::find_if(std::begin(rules), std::end(rules),
                                          [&](const auto& r) { return rule == r.first; });
         if (found == std::end(rules)) {
-          throw AllocatorError("fill_holes: rule must be 'greedy', 'greedy-area', 'greedy-life' "
-                               "or 'skyline', not '" + rule + "'");
+          throw AllocatorError("fill_holes: rule must be 'greedy', 'greedy-area', 'greedy-life', "
+                               "'skyline' or 'peak-shave', not '" + rule + "'");
         }
         if (start.size() != life.size() || start.size() != size.size()) {
           throw AllocatorError("fill_holes: start, life and size differ in length");
+        }
+        if (!free.empty() && (free.size() != holes.size() || page == 0)) {
+          throw AllocatorError("fill_holes: give free bytes for every hole, and a page size > 0");
+        }
+        HoleCost cost;
+        if (!free.empty()) {
+          cost = [&](std::size_t h, std::size_t top) -> std::size_t {
+            return top <= free[h] ? 0 : (top - free[h] + page - 1) / page * page;
+          };
         }
         std::vector<PackBlock> blocks(start.size());
         for (std::size_t i = 0; i < blocks.size(); ++i) {
@@ -258,7 +271,7 @@ PYBIND11_MODULE(_core, m) {
           }
           blocks[i] = {start[i], life[i], size[i]};
         }
-        const HoleFill r = fill_holes(blocks, period, holes, found->second);
+        const HoleFill r = fill_holes(blocks, period, holes, found->second, cost);
         std::vector<long long> hole(r.hole.size());
         for (std::size_t i = 0; i < hole.size(); ++i) {
           hole[i] = r.hole[i] == HoleFill::kNone ? -1 : static_cast<long long>(r.hole[i]);
@@ -270,7 +283,8 @@ PYBIND11_MODULE(_core, m) {
         return d;
       },
       py::arg("start"), py::arg("life"), py::arg("size"), py::arg("period"), py::arg("holes"),
-      py::arg("rule") = "greedy");
+      py::arg("rule") = "greedy", py::arg("free") = std::vector<std::size_t>{},
+      py::arg("page") = 0);
 
   m.def(
       "fuzz",
