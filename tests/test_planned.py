@@ -545,6 +545,22 @@ def test_the_iteration_plan_keeps_the_cursor_through_an_optimizer_loop():
     check_invariants(r.alloc, r.device, r.live)
 
 
+def test_a_short_repetition_whose_blocks_outlive_it_gets_a_period_that_covers_them():
+    """Ten allocations repeat every 20 events, each block freed three repetitions later. The
+    shortest period (20) covers no lifetime; multiples of it are examined, not skipped as mere
+    repetitions of it, so a period that covers the lifetimes (80) is found."""
+    sizes = [(3 + 2 * j) * MiB + 512 * j for j in range(10)]
+    ops = []
+    for i in range(40):
+        ops += [("a", f"b{i}_{j}", s, 0) for j, s in enumerate(sizes)]
+        if i >= 3:
+            ops += [("f", f"b{i - 3}_{j}") for j in range(len(sizes))]
+    r = Runner()
+    r.run(ops, 0, check_every=13)
+    ps = r.plan()
+    assert ps["plans_built"] >= 1 and ps["active_plan_period"] == 80, ps
+
+
 def test_mark_step_is_ignored_by_policies_without_plans_and_never_needed():
     for policy in ("pymemplan", "pymemplan-vmm", "torch"):
         r = Runner(policy=policy)

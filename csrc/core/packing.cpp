@@ -321,11 +321,51 @@ std::size_t lowest_fit(const std::vector<PackBlock>& blocks, std::size_t period,
   return at + b.size <= capacity ? at : kNone;
 }
 
+// Live bytes per time step under range additions, with their maximum and where it is: the
+// arena's profile as blocks move out of it, in O(log period) a move.
+class AddMaxTree {
+ public:
+  explicit AddMaxTree(const std::vector<long long>& v) {
+    while (n_ < v.size()) n_ <<= 1;
+    mx_.assign(2 * n_, kFloor);
+    add_.assign(2 * n_, 0);
+    for (std::size_t i = 0; i < v.size(); ++i) mx_[n_ + i] = v[i];
+    for (std::size_t k = n_ - 1; k >= 1; --k) mx_[k] = std::max(mx_[2 * k], mx_[2 * k + 1]);
+  }
+  void add(std::size_t l, std::size_t r, long long d) { add(1, 0, n_, l, r, d); }
+  long long max() const { return mx_[1]; }
+  std::size_t argmax() const {
+    std::size_t k = 1;
+    while (k < n_) k = mx_[2 * k] == mx_[k] - add_[k] ? 2 * k : 2 * k + 1;
+    return k - n_;
+  }
+
+ private:
+  static constexpr long long kFloor = std::numeric_limits<long long>::min() / 4;  // padding
+  void add(std::size_t k, std::size_t lo, std::size_t hi, std::size_t l, std::size_t r, long long d) {
+    if (r <= lo || hi <= l) return;
+    if (l <= lo && hi <= r) {
+      mx_[k] += d;
+      add_[k] += d;
+      return;
+    }
+    const std::size_t mid = (lo + hi) / 2;
+    add(2 * k, lo, mid, l, r, d);
+    add(2 * k + 1, mid, hi, l, r, d);
+    mx_[k] = std::max(mx_[2 * k], mx_[2 * k + 1]) + add_[k];
+  }
+  std::size_t n_ = 1;
+  std::vector<long long> mx_, add_;  // mx_: max of the subtree, its own add_ included
+};
+
 void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
                 const std::vector<std::size_t>& hole_sizes, const HoleCost& cost, HoleFill& r) {
-  std::vector<long long> live = live_profile(blocks, period);  // of the blocks left for the arena
+  AddMaxTree live(live_profile(blocks, period));  // of the blocks left for the arena
   auto add = [&](const PackBlock& b, long long sign) {
-    for (std::size_t k = 0; k < b.life; ++k) live[(b.start + k) % period] += sign * static_cast<long long>(b.size);
+    const long long d = sign * static_cast<long long>(b.size);
+    const std::size_t end = b.start + b.life;  // the lifetime may wrap around the circle
+    live.add(b.start, std::min(end, period), d);
+    if (end > period) live.add(0, end - period, d);
   };
   auto alive_at = [&](const PackBlock& b, std::size_t t) { return (t + period - b.start) % period < b.life; };
   std::vector<std::size_t> holes(hole_sizes.size());
@@ -340,14 +380,17 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
                    [&](std::size_t a, std::size_t b) { return blocks[a].size > blocks[b].size; });
   std::vector<std::pair<std::size_t, std::size_t>> taken;
   for (std::size_t h : holes) {
-    const long long before = *std::max_element(live.begin(), live.end());
+    const long long before = live.max();
     std::vector<std::size_t> moved;
     std::size_t top = 0;
     for (;;) {
-      const auto t = static_cast<std::size_t>(std::max_element(live.begin(), live.end()) - live.begin());
+      const std::size_t t = live.argmax();
       bool placed = false;
       for (std::size_t i : by_size) {
-        if (r.hole[i] != HoleFill::kNone || blocks[i].size == 0 || !alive_at(blocks[i], t)) continue;
+        if (r.hole[i] != HoleFill::kNone || blocks[i].size == 0 || blocks[i].size > hole_sizes[h] ||
+            !alive_at(blocks[i], t)) {
+          continue;
+        }
         const std::size_t at = lowest_fit(blocks, period, blocks[i], moved, r.offset, hole_sizes[h], taken);
         if (at == kNone) continue;
         r.hole[i] = h;
@@ -361,7 +404,7 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
       if (!placed) break;
     }
     if (moved.empty()) continue;
-    const long long gain = before - *std::max_element(live.begin(), live.end());
+    const long long gain = before - live.max();
     const auto paid = static_cast<long long>(cost ? cost(h, top) : 0);
     if (gain > paid || (gain == paid && paid == 0)) {
       for (std::size_t i : moved) r.placed_bytes += blocks[i].size;

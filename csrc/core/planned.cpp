@@ -762,10 +762,15 @@ void PlannedAllocator::detect() {
     const std::uint64_t p64 = n - end;
     if (p64 < config_.min_period || p64 > config_.max_period || n - base_ < p64) return;
     const auto p = static_cast<std::size_t>(p64);
-    // Inside repeated layers, the window recurs at every multiple of the layers' period; those
-    // candidates describe the same repetition. Skipping them keeps detection cheap there, so
-    // that its pauses (below) do not make it miss the start of the next iteration.
-    if (repeats != 0 && p % repeats == 0) return;
+    // Inside repeated layers the window recurs at every multiple k of the layers' period. Where
+    // the last p events are all that repetition, a longer multiple differs only in covering
+    // lifetimes that span more layers, so only k = 1, 2, 4, ... are examined: enough to cover
+    // them, and cheap, so that detection's pauses (below) do not make it miss the start of
+    // the next iteration.
+    if (repeats != 0 && p % repeats == 0) {
+      const std::size_t k = p / repeats;
+      if ((k & (k - 1)) != 0 && range_hash(n - p, n - repeats) == range_hash(n - p + repeats, n)) return;
+    }
     ++examined;
     largest = std::max(largest, p);
     const bool confirmed =
