@@ -855,7 +855,7 @@ def test_threads_share_one_allocator():
 
 def test_recorded_benchmark_traces_steady_state():
     """From the first request a plan served, peak reserved over peak live. Measured on the
-    shipped GPT-2 trace (6 layers, sequence 512): 1.0074 (pymemplan-vmm 1.0042; both within 1%)."""
+    shipped GPT-2 trace (6 layers, sequence 512): 1.0018 (pymemplan-vmm 1.0042; both within 1%)."""
     from pymemplan.traces import read_trace, replay
 
     # A recorded GPT-2 (6 layers, sequence 512) training run ships in tests/data; the
