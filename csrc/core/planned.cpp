@@ -341,10 +341,11 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     const std::uint64_t h = recent_prefix_hash();
     for (std::size_t i = 0; i < plans_.size(); ++i) {
       // A plan too small to arm is not adopted: it would only take the cursor from the plan
-      // of the iteration while that one waits for its cut.
+      // of the iteration while that one waits for its cut. Nor is a plan whose last pass
+      // skipped many of its slots (a wrong period, likely) while the active plan matches.
       if (plans_[i].prefix == h && plans_[i].slots.size() > kPrefix &&
           (i != active_ || cursor_ != kPrefix) && worth_an_arena(plans_[i]) &&
-          !plans_[i].passed_over) {
+          (slot == nullptr || !plans_[i].passed_over)) {
         adopt(i, kPrefix);
         ++plan_switches_;
         break;

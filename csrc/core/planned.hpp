@@ -59,8 +59,9 @@
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
 //   index it: after a mismatch, or while no plan is armed, the last kPrefix requests select the
 //   plan that applies (alternating shapes, shapes that come back), but never one too small to
-//   arm or one whose last pass skipped many of its slots (a wrong period, which would otherwise
-//   take the cursor from the iteration's plan while it waits for its cut); a plan seen again is
+//   arm, nor, while the active plan matches, one whose last pass skipped many of its slots (a
+//   wrong period): they would take the cursor from the iteration's plan while it waits for its
+//   cut; a plan seen again is
 //   recognised by its signature and not re-packed. One arena serves every plan (a plan needing
 //   more than its size gets a new one; the old one is retired into the pool).
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
