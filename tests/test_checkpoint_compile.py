@@ -117,7 +117,11 @@ def test_inductor_backend_fits_the_budget_and_matches_eager():
     assert torch.allclose(lc, le, rtol=1e-4, atol=1e-6)
     for a, e in zip(gc, ge):
         assert torch.allclose(a, e, rtol=1e-4, atol=1e-5)
-    assert be.chosen is not None and be.trials and be.tagged > 0
+    from pymemplan.planner.checkpoint.compile_backend import TorchBudgetPlan
+
+    # Our tags, or PyTorch's partition under activation_memory_budget (no tags).
+    assert be.chosen is not None and be.trials
+    assert be.tagged > 0 or isinstance(be.chosen, TorchBudgetPlan)
     assert be.chosen.recompute_seconds <= plan.recompute_seconds + 1e-12
     assert be.predicted_peak_bytes <= budget
     model.zero_grad(set_to_none=True)
@@ -138,7 +142,7 @@ def test_measured_unplanned_peak_calibrates_the_predictions():
     run(model, x, be)
     assert be.trials[0][2] == measured  # the unplanned prediction is the measurement
     assert be.calibration_bytes != 0 and be.predicted_peak_bytes <= plan.budget_bytes
-    assert be.chosen.modules
+    assert be.chosen.policies  # something is recomputed (by our tags, or PyTorch's knob)
 
 
 def test_backend_needs_something_to_follow():
@@ -208,9 +212,11 @@ def test_op_level_units_beat_module_units_on_conv_bn_relu():
             torch.manual_seed(seed)
             return m, _step(m, x, backend)
 
+        # Ours only (PyTorch's own partitions compete in the tests below).
         modules_only = pymemplan.compile_backend(plan=plan, unplanned_peak_bytes=base,
-                                                 op_level=False)
-        ops = pymemplan.compile_backend(plan=plan, unplanned_peak_bytes=base)
+                                                 op_level=False, torch_budgets=())
+        ops = pymemplan.compile_backend(plan=plan, unplanned_peak_bytes=base,
+                                        torch_budgets=())
         _, (lu, gu, bu) = compiled("inductor")  # the unmodified model, compiled
         _, (lm, gm, bm) = compiled(modules_only)
         m_ops, (lo_, go, bo) = compiled(ops)  # last: measured below without recompiling
@@ -263,3 +269,141 @@ def test_op_level_plan_refuses_a_graph_it_was_not_made_for():
     g = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU())).graph
     with pytest.raises(PlannerError, match="does not match this graph"):
         tag_ops(g, {"no_such_node": "recompute"})
+
+
+def _torch_budget_setup():
+    """An MLP of Linear/GELU layers, its input, its trace, the measured peak of its
+    unmodified step (min-cut partition, no tags, aot_eager), and the eager plan for the
+    least eager peak."""
+    from pymemplan.planner.checkpoint.compile_backend import TorchBudgetPlan
+
+    torch.manual_seed(0)
+    model = Deep()
+    x = torch.randn(512, 256)
+    t = pymemplan.trace(model, (x,), device="cpu")
+    none = pymemplan.compile_backend(plan=TorchBudgetPlan(1.0), adapt=False,
+                                     compiler="aot_eager")
+    m = copy.deepcopy(model)
+    run(m, x, none)
+    m.zero_grad(set_to_none=True)
+    base = measure_step(torch.compile(m, backend=none), (x,)).peak_bytes
+    lo, _ = least_peak(t.checkpoint_problem(model, (x,)))
+    return model, x, t, base, t.plan(lo, model=model, inputs=(x,))
+
+
+def test_torch_budget_partition_is_chosen_when_it_fits_and_is_cheaper():
+    """PyTorch's own partitions under activation_memory_budget are candidates of the
+    backend, partitioned, predicted and priced like ours. At a budget that PyTorch's
+    0.9 partition is predicted to meet, it is chosen (named "torch-budget:0.9"): the
+    cheapest of the candidates predicted to fit, where the backend without PyTorch's
+    partitions pays more recompute. Followed, the step's losses and gradients equal the
+    unmodified compiled model's, and its measured peak meets the budget."""
+    import dataclasses
+
+    from pymemplan.planner.checkpoint.compile_backend import (COST_TIE, TorchBudgetPlan,
+                                                              plan_kind)
+
+    model, x, t, base, least_plan = _torch_budget_setup()
+    be = pymemplan.compile_backend(plan=least_plan, compiler="aot_eager",
+                                   unplanned_peak_bytes=base, op_level=False)
+    run(copy.deepcopy(model), x, be)
+    preds = {pl.amb: pk for pl, pk in be._portfolio}
+    assert 0.9 in preds and preds[0.9] < base
+    budget = int(preds[0.9] + 0.01 * base)
+    plan = dataclasses.replace(least_plan, budget_bytes=budget)
+    chosen, predicted = be.rechoose(plan)
+    assert isinstance(chosen, TorchBudgetPlan) and predicted <= budget
+    assert plan_kind(chosen) == "torch-budget:0.9"
+    assert chosen.policies == {"*": "torch-budget:0.9"}
+    # The cheapest (within the cost model's tie) of the candidates predicted to fit;
+    # PyTorch's partitions are made once per joint graph (in the first choice's trials).
+    fitting = [frac for _, frac, pk in be.rechoose_trials if pk <= budget] + [
+        pl.recompute_cost["fraction_of_forward"] for pl, pk in be._portfolio if pk <= budget]
+    assert be.recompute_fraction <= min(fitting) + COST_TIE
+    # Without PyTorch's partitions: a module-level plan, at more recompute.
+    own = pymemplan.compile_backend(plan=plan, compiler="aot_eager",
+                                    unplanned_peak_bytes=base, op_level=False,
+                                    torch_budgets=())
+    run(copy.deepcopy(model), x, own)
+    assert not isinstance(own.chosen, TorchBudgetPlan) and own.chosen.modules
+    assert own.recompute_fraction > be.recompute_fraction + COST_TIE
+    # Followed as it is: the same numbers as the unmodified compiled model, the
+    # measured peak within the budget.
+    again = pymemplan.compile_backend(plan=chosen, adapt=False, compiler="aot_eager")
+    ref = copy.deepcopy(model)
+    la, ga = run(ref, x, again)
+    l0, g0 = run(copy.deepcopy(model), x, "aot_eager")
+    assert torch.equal(la, l0) and all(torch.equal(a, b) for a, b in zip(ga, g0))
+    assert again.tagged == 0 and again.saved_bytes > 0
+    ref.zero_grad(set_to_none=True)
+    peak = measure_step(torch.compile(ref, backend=again), (x,)).peak_bytes
+    assert peak <= budget * 1.02
+
+
+def test_torch_budget_partitions_that_recompute_mutated_inputs_are_dropped():
+    """Under aot_eager, BatchNorm updates its running statistics in place, and PyTorch's
+    budgeted partitions recompute the ops that read them (autograd's version check then
+    fails in backward). Such partitions are no candidates: the step runs, and its
+    numbers equal the unmodified compiled model's."""
+    torch.manual_seed(0)
+    model = ConvNet(n=4)
+    x = torch.randn(4, 3, 16, 16)
+    t = pymemplan.trace(model, (x,), device="cpu")
+    lo, _ = least_peak(t.checkpoint_problem(model, (x,)))
+    be = pymemplan.compile_backend(plan=t.plan(lo, model=model, inputs=(x,)),
+                                   compiler="aot_eager")
+    lb, gb = run(copy.deepcopy(model), x, be)
+    l0, g0 = run(copy.deepcopy(model), x, "aot_eager")
+    assert be._portfolio == [] and "mutated-input" in be.torch_budget_error
+    assert torch.equal(lb, l0) and all(torch.equal(a, b) for a, b in zip(gb, g0))
+
+
+def test_least_compiled_peak_spans_all_candidates():
+    """least_compiled_peak(): the least predicted compiled peak over the candidate
+    partitions the backend knows (PyTorch's included), below the unplanned step's; at a
+    budget between it and the unplanned peak the backend finds a plan predicted to fit,
+    and its measured peak meets the budget."""
+    import dataclasses
+
+    from pymemplan.planner.checkpoint.compile_backend import plan_kind
+
+    model, x, t, base, least_plan = _torch_budget_setup()
+    be = pymemplan.compile_backend(plan=least_plan, compiler="aot_eager",
+                                   unplanned_peak_bytes=base)
+    run(copy.deepcopy(model), x, be)
+    least = be.least_compiled_peak()
+    assert be.least_compiled_peak() == least  # made once
+    # The least over partitions made for real: PyTorch's, ours (module-level and
+    # op-level, recompute-all among them), the unplanned one.
+    kinds = {"unplanned" if pl is None else plan_kind(pl) for pl, _ in be._least_all}
+    assert {"unplanned", "module-level", "op-level"} <= kinds
+    assert any(k.startswith("torch-budget:") for k in kinds)
+    assert least == min(pk for _, pk in be._least_all) < base
+    assert be.least_peak_source in kinds
+    budget = int(least + 0.3 * (base - least))
+    chosen, predicted = be.rechoose(dataclasses.replace(least_plan, budget_bytes=budget))
+    assert predicted <= budget
+    follow = pymemplan.compile_backend(plan=chosen, adapt=False, compiler="aot_eager")
+    m = copy.deepcopy(model)
+    run(m, x, follow)
+    m.zero_grad(set_to_none=True)
+    assert measure_step(torch.compile(m, backend=follow), (x,)).peak_bytes <= budget * 1.02
+
+
+def test_least_compiled_peak_below_the_resolution_is_the_unplanned_peak(monkeypatch):
+    """A least compiled peak predicted less than LEAST_RESOLUTION below the unplanned
+    one is not resolved by the predictions: the unplanned peak is the least, and no
+    least-peak candidate joins the choice (GPT-2: a plan recomputing every op was
+    otherwise taken for a predicted 52 KB)."""
+    import importlib
+
+    cb = importlib.import_module("pymemplan.planner.checkpoint.compile_backend")
+
+    model, x, t, base, least_plan = _torch_budget_setup()
+    be = pymemplan.compile_backend(plan=least_plan, compiler="aot_eager",
+                                   unplanned_peak_bytes=base)
+    run(copy.deepcopy(model), x, be)
+    monkeypatch.setattr(cb, "LEAST_RESOLUTION", 0.99)  # nothing saves that much
+    assert be.least_compiled_peak() == be._pred_none == base
+    assert be._least == [] and be.least_peak_source == "unplanned"
+    assert be.least_compiled_peak() == base  # made once

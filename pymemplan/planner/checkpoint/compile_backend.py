@@ -31,15 +31,22 @@ step is predicted to fit the budget. Two kinds of plan compete:
 - op-level (``op_level.py``): every forward op of the joint graph saved or recomputed,
   chosen by a MILP (HiGHS) over the joint graph, so that memory-bound ops (norms,
   activations, pointwise ops, views) are recomputed from saved compute-bound outputs
-  where that is cheap, and compute-bound ops too where the budget needs it.
+  where that is cheap, and compute-bound ops too where the budget needs it;
+- PyTorch's own (:class:`TorchBudgetPlan`): the joint graph, without our tags,
+  partitioned by the min-cut partitioner under ``activation_memory_budget`` set to each
+  of ``TORCH_BUDGETS`` (the knob ``torch.compile`` users turn). Partitions that
+  recompute a random op or one that reads an input the step mutates are dropped.
 
 Each candidate plan is partitioned for real on a copy of the joint graph and its
 compiled peak predicted from the eager timeline, with the eager activations replaced by
-what the compiled forward saves and, for op-level plans, the values backward recomputes
-and materialises added (:func:`predict_compiled_peak`). Both kinds are priced the same
-way for the comparison: by the ops their partition recomputes beyond the unplanned one,
-on the joint graph, with the op-level cost model. The cheapest plan predicted to fit is
-taken. If the unplanned compiled step fits, nothing is recomputed. A measured peak of the unplanned compiled
+what the compiled forward saves and, for op-level and PyTorch's plans, the values
+backward recomputes and materialises added (:func:`predict_compiled_peak`). All kinds
+are priced the same way for the comparison: by the ops their partition recomputes
+beyond the unplanned one, on the joint graph, with the op-level cost model. The
+cheapest plan predicted to fit is taken (costs within ``COST_TIE`` of the forward: the
+lower predicted peak). PyTorch's knob is not monotonic and can overshoot what it is
+asked for; the predicted-fit check is what makes its partitions safe to take, so the
+backend never does worse than the knob, as far as its predictions are right. If the unplanned compiled step fits, nothing is recomputed. A measured peak of the unplanned compiled
 step (``unplanned_peak_bytes``) calibrates the predictions for what the compiler
 allocates that the eager trace cannot see.
 
@@ -223,18 +230,48 @@ def _inside(module: str, modules) -> bool:
     return any(module == m or not m or module.startswith(m + ".") for m in modules)
 
 
-def _recompute_transients(bw, recomputed: set) -> list:
-    """``(bytes, modules)`` of each value the backward graph ``bw`` recomputes (of the
-    forward nodes named in ``recomputed``) and materialises: one a non-pointwise op reads
-    (a convolution's or matmul's backward), so no fusion makes it vanish. ``modules``:
-    the modules whose backward reads it (the backward nodes' ``fwd_nn_module_stack``),
-    during whose backward it is live."""
+def _bw_module(u) -> str | None:
+    stack = list((u.meta.get("fwd_nn_module_stack") or
+                  u.meta.get("nn_module_stack") or {}).values())
+    return _module_path(stack[-1][0]) if stack else None
+
+
+def _pointwise(nd) -> bool:
     import torch
 
+    t = nd.target
+    return (t is operator.getitem or (isinstance(t, torch._ops.OpOverload)
+                                      and (torch.Tag.pointwise in t.tags or t.is_view)))
+
+
+def _recompute_transients(bw, recomputed: set) -> list:
+    """``(bytes, modules, start)`` of each value the backward graph ``bw`` recomputes
+    (of the forward nodes named in ``recomputed``) and materialises: one a backward op
+    reads. ``modules``: the modules whose backward reads it (the backward nodes'
+    ``fwd_nn_module_stack``), until the end of whose backward it is live. ``start``:
+    the modules from the first of whose backwards its buffer is live. A recomputed value
+    is computed where a backward op reads it, or where a recomputed value made from it
+    is computed. Its buffer exists from there if it is no pointwise op (a convolution,
+    matmul or reduction: a kernel of its own), else only where a backward op or a
+    recomputed non-pointwise op reads it: Inductor computes a pointwise op inline in
+    the kernels that read it, so a chain of pointwise ops (BatchNorm, ReLU, residual
+    adds) recomputed from saved values keeps no buffer of its own before its reader;
+    a chain through convolutions or matmuls keeps each buffer from where the chain is
+    recomputed."""
+    import torch
+
+    nodes = [nd for nd in bw.graph.nodes if nd.op == "call_function" and nd.name in recomputed]
+    readers_of, computed = {}, {}
+    for nd in reversed(nodes):  # users before their inputs
+        readers = [u for u in nd.users if u.op == "call_function" and u.name not in recomputed]
+        mods = {m for m in map(_bw_module, readers) if m is not None}
+        at = set(mods)
+        for u in nd.users:
+            if u in computed:
+                at |= computed[u]
+        readers_of[nd], computed[nd] = (mods, bool(readers)), at
     out = []
-    for nd in bw.graph.nodes:
-        if nd.op != "call_function" or nd.name not in recomputed:
-            continue
+    for nd in nodes:
         v = nd.meta.get("val")
         if not isinstance(v, torch.Tensor):
             continue
@@ -242,15 +279,17 @@ def _recompute_transients(bw, recomputed: set) -> list:
                a.meta["val"].untyped_storage()._cdata == v.untyped_storage()._cdata
                for a in nd.all_input_nodes):
             continue  # a view: no storage of its own
-        readers = [u for u in nd.users if u.op == "call_function" and u.name not in recomputed]
-        mods = set()
-        for u in readers:
-            stack = list((u.meta.get("fwd_nn_module_stack") or
-                          u.meta.get("nn_module_stack") or {}).values())
-            if stack:
-                mods.add(_module_path(stack[-1][0]))
-        if readers:
-            out.append((int(v.untyped_storage().nbytes()), sorted(mods)))
+        mods, read = readers_of[nd]
+        if not read:
+            continue
+        start = set()
+        if not _pointwise(nd):
+            start |= computed[nd]
+        for u in nd.users:
+            if u in computed and not _pointwise(u):
+                start |= computed[u]
+        start = (start - {""}) | mods  # the top level says nothing of where it runs
+        out.append((int(v.untyped_storage().nbytes()), sorted(mods), sorted(start)))
     return out
 
 
@@ -326,8 +365,10 @@ class EagerAxis:
             a, b = self.saved_span(module)
             diff[a] += size
             diff[b + 1] -= size
-        for size, mods in transients:
+        for size, mods, *start in transients:
             a, b = self.backward_span(mods)
+            if start and start[0]:  # live from where it, or one made from it, is needed
+                a = min(a, self.backward_span(start[0])[0])
             diff[a] += size
             diff[b + 1] -= size
         return self.base + np.cumsum(diff[:-1])
@@ -338,9 +379,10 @@ def predict_compiled_peak(problem, x, saved: list, modules=None, transients=()) 
     at every op, the eager activations the model's forward leaves for backward are
     replaced by what the compiled forward saves (``saved``: ``(bytes, module)`` from
     :func:`_saved_storages`), each saved storage live from the start of its module's
-    forward to the end of its module's backward. ``transients``: ``(bytes, modules)``
-    of values recomputed in backward (:func:`_recompute_transients`), live from the first
-    to the last backward op of those modules."""
+    forward to the end of its module's backward. ``transients``: ``(bytes, modules,
+    start)`` of values recomputed in backward (:func:`_recompute_transients`), live from
+    the first backward op of ``start`` (the modules where it, or a value recomputed
+    from it, is first needed) to the last backward op of those modules."""
     return int(EagerAxis(problem, x, modules).curve(saved, transients).max())
 
 
@@ -374,12 +416,84 @@ def compiled_costs(problem):
     return out
 
 
+TORCH_BUDGETS = (0.9, 0.75, 0.5, 0.3, 0.1, 0.0)  # activation_memory_budget values tried
+# Two candidates whose estimated recompute costs differ by less than this share of the
+# forward's estimated time cost the same, as far as the cost model can tell: the one
+# with the lower predicted peak is taken.
+COST_TIE = 0.005
+# A least compiled peak predicted less than this share below the unplanned one is not
+# resolved by the predictions (see CompileBackend.least_compiled_peak).
+LEAST_RESOLUTION = 0.001
+
+
+class TorchBudgetPlan:
+    """A candidate partition made by PyTorch's own min-cut partitioner under
+    ``torch._functorch.config.activation_memory_budget = amb``, with no checkpoint tags
+    (the knob ``torch.compile`` users turn). The backend predicts its compiled peak and
+    prices it like its own plans, and takes it only when it is predicted to fit and is
+    the cheapest; ``compile_backend(plan=<TorchBudgetPlan>, adapt=False)`` follows it.
+    Offers what the benchmark and the backend read from a ``Plan``."""
+
+    problem = None                    # no module-level problem: never re-adapted
+    solver = "torch-budget"
+    optimal = False
+    gap = None
+    solve_seconds = 0.0
+    recomputed: list = []
+    modules: list = []
+
+    def __init__(self, amb: float, budget_bytes: int | None = None,
+                 recompute_seconds: float = 0.0, forward_seconds: float = 0.0):
+        self.amb = float(amb)
+        self.budget_bytes = budget_bytes
+        self.recompute_seconds = recompute_seconds
+        self.forward_seconds = forward_seconds
+
+    @property
+    def kind(self) -> str:
+        return f"torch-budget:{self.amb:g}"
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind,)
+
+    @property
+    def policies(self) -> dict:
+        return {"*": self.kind}
+
+    @property
+    def recompute_cost(self) -> dict:
+        frac = self.recompute_seconds / self.forward_seconds if self.forward_seconds else 0.0
+        return {"seconds": self.recompute_seconds, "fraction_of_forward": frac}
+
+    def __repr__(self):
+        return f"TorchBudgetPlan({self.amb:g})"
+
+
+def plan_kind(pl) -> str:
+    """"module-level", "op-level" or "torch-budget:<value>": which kind of candidate."""
+    return getattr(pl, "kind", None) or (
+        "op-level" if getattr(pl, "key", None) is not None else "module-level")
+
+
+def _partition_as(pl, partitioner, joint, joint_inputs, kwargs):
+    """Run the partitioner; under ``pl``'s ``activation_memory_budget`` for a
+    :class:`TorchBudgetPlan`."""
+    if isinstance(pl, TorchBudgetPlan):
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=pl.amb):
+            return partitioner(joint, joint_inputs, **kwargs)
+    return partitioner(joint, joint_inputs, **kwargs)
+
+
 class CompileBackend:
     """A ``torch.compile`` backend applying ``plan``; see :func:`compile_backend`."""
 
     def __init__(self, plan, compiler: str = "inductor", adapt: bool = True,
                  search_steps: int = 4, unplanned_peak_bytes: int | None = None,
-                 op_level: bool = True, op_time_limit: float = 10.0):
+                 op_level: bool = True, op_time_limit: float = 10.0,
+                 torch_budgets=TORCH_BUDGETS, transient_allowance: bool = False):
         if compiler not in ("aot_eager", "inductor"):
             raise PlannerError(f"compiler={compiler!r}: use 'aot_eager' or 'inductor'")
         self.plan = plan
@@ -391,6 +505,15 @@ class CompileBackend:
         self.op_time_limit = op_time_limit
         self.op_problem = None   # the op-level programme of the first joint graph
         self.op_level_error = None  # why op-level units were dropped, if they were
+        # PyTorch's own budgeted partitions compete too (TorchBudgetPlan), when adapting
+        # and the op-level model can price them.
+        self.torch_budgets = tuple(torch_budgets or ())
+        self.transient_allowance = transient_allowance
+        self.torch_budget_error = None  # why a value was dropped, if one was
+        self._portfolio = None   # [(TorchBudgetPlan, predicted peak)] of the first graph
+        self._least = None       # [(plan, predicted peak)]: the least-peak candidates
+        self.least_peak_source = None  # which candidate gave least_compiled_peak()
+        self._ctx = None         # the first joint graph's choice context
         self._cost = {}          # id(plan) -> recompute seconds priced on the joint graph
         self.recompute_fraction = None  # the chosen plan's, priced on the joint graph
         self._pred_none = None   # predicted (calibrated) peak of the unplanned compiled step
@@ -433,7 +556,13 @@ class CompileBackend:
         - module-level: the eager plans for budgets between ``plan``'s and the unplanned
           peak (bisection over the eager budget, :meth:`_choose_modules`);
         - op-level (``op_level=True``): single ops of the joint graph saved or recomputed,
-          chosen by the MILP of ``op_level.py`` (:meth:`_choose_ops`).
+          chosen by the MILP of ``op_level.py`` (:meth:`_choose_ops`);
+        - PyTorch's own partitions (``torch_budgets``): the min-cut partitioner, with no
+          tags, under ``activation_memory_budget`` set to each of ``torch_budgets``
+          (:class:`TorchBudgetPlan`, :meth:`_torch_portfolio`). The knob is not
+          monotonic and may overshoot what it is asked for; the predicted-fit check is
+          what makes these candidates safe;
+        - once :meth:`least_compiled_peak` has run, the least-peak candidates it made.
 
         Each candidate plan is partitioned for real on a copy of the joint graph, and its
         compiled peak predicted from the eager timeline with the eager activations (what
@@ -451,6 +580,9 @@ class CompileBackend:
         budget = plan.budget_bytes
         ctx = dict(joint=joint, joint_inputs=joint_inputs, partitioner=partitioner,
                    kwargs=kwargs, p=p, modules=_graph_modules(joint.graph))
+        if self._ctx is None and self._joint is not None:
+            # For least_compiled_peak(): the untagged copy of this joint graph.
+            self._ctx = dict(ctx, joint=self._joint[0])
 
         hi = int(p.base.max())
         none = make_plan(p, hi)
@@ -478,11 +610,12 @@ class CompileBackend:
             except Exception as e:  # the partitioner refused the tags: modules only
                 self.op_level_error = f"{type(e).__name__}: {e}"
                 op, op_pred = None, None
-            if op is not None and op_pred <= budget and (
-                    best_pred > budget or self._cost[id(op)] <= self._cost[id(best)]):
-                best, best_pred = op, op_pred
-            elif op is not None and best_pred > budget and op_pred < best_pred:
-                best, best_pred = op, op_pred
+            if op is not None:
+                best, best_pred = self._better(best, best_pred, op, op_pred, budget)
+        # PyTorch's own budgeted partitions, and the least-peak candidates once known
+        # (least_compiled_peak()): each taken only if predicted to fit and cheaper.
+        for pl, pk in self._extra_candidates(ctx):
+            best, best_pred = self._better(best, best_pred, pl, pk, budget)
         self.predicted_peak_bytes = int(best_pred)
         if self.op_problem is not None and self.op_problem.forward_seconds:
             self.recompute_fraction = self._cost[id(best)] / self.op_problem.forward_seconds
@@ -509,10 +642,12 @@ class CompileBackend:
         if isinstance(pl, OpPlan):
             tag_ops(trial.graph, pl.tags, pl.targets)
             x = np.zeros(ctx["p"].n, dtype=np.int64)
+        elif isinstance(pl, TorchBudgetPlan):  # PyTorch's partition: no tags
+            x = np.zeros(ctx["p"].n, dtype=np.int64)
         else:
             tag_graph(trial.graph, pl.policies, self._order())
             x = pl.choice
-        fw, bw = ctx["partitioner"](trial, ctx["joint_inputs"], **kwargs)
+        fw, bw = _partition_as(pl, ctx["partitioner"], trial, ctx["joint_inputs"], kwargs)
         saved = _saved_storages(fw, kwargs.get("num_fwd_outputs", 0))
         transients = ()
         op_p = self.op_problem
@@ -520,16 +655,23 @@ class CompileBackend:
             again = {n.name for n in bw.graph.nodes if n.op == "call_function"}
             self._cost[id(pl)] = float(sum(op_p.cost[k] for k, nm in enumerate(op_p.names)
                                            if nm in again))
-            if isinstance(pl, OpPlan):  # module-level plans carry their eager transient
+            if isinstance(pl, (OpPlan, TorchBudgetPlan)):  # module-level plans carry
+                # their eager transient
                 transients = _recompute_transients(bw, again & set(op_p.names)
                                                    - op_p.baseline_recomputed)
         peak = predict_compiled_peak(ctx["p"], x, saved, ctx["modules"], transients)
         # The spans of recomputed values are estimates (Inductor schedules the backward
-        # kernels and their buffers itself): allow for the largest one live once more.
-        peak += max((b for b, _ in transients), default=0) + self.calibration_bytes
+        # kernels and their buffers itself). With ``transient_allowance``, allow for the
+        # largest one live once more; off by default: without it the predictions of the
+        # op-level plans measured exact (resnet50, 5 of 5 budgets, to 0.1 MiB), and the
+        # allowance only made plans land that far under their budget.
+        if self.transient_allowance:
+            peak += max((t[0] for t in transients), default=0)
+        peak += self.calibration_bytes
         frac = (self._cost[id(pl)] / op_p.forward_seconds if op_p is not None
                 and op_p.forward_seconds else pl.recompute_cost["fraction_of_forward"])
-        self.trials.append((pl.budget_bytes if not isinstance(pl, OpPlan) else "op-level",
+        kind = plan_kind(pl)
+        self.trials.append((pl.budget_bytes if kind == "module-level" else kind,
                             frac, int(peak)))
         return (peak, fw, bw) if keep else peak
 
@@ -685,24 +827,150 @@ class CompileBackend:
             self.chosen = chosen
         if isinstance(chosen, OpPlan):
             self.tagged += tag_ops(joint.graph, chosen.tags, chosen.targets)
-        else:
+        elif not isinstance(chosen, TorchBudgetPlan):
             self.tagged += tag_graph(joint.graph, chosen.policies, self._order())
-        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+        fw, bw = _partition_as(chosen, partitioner, joint, joint_inputs, kwargs)
         self.saved_bytes += _saved_bytes(fw, kwargs.get("num_fwd_outputs", 0))
         return fw, bw
 
-    def least_compiled_peak(self) -> int:
-        """The compiled peak predicted when every op that may be recomputed is (by the
-        op-level model, calibrated like the plans' predictions): about the least any plan
-        reaches. Needs a backend that has compiled a graph with ``adapt=True``."""
-        from .op_level import recompute_all
+    def _better(self, best, best_pred, pl, pk, budget):
+        """``(plan, predicted peak)``: ``pl`` if it beats ``best`` (fits where ``best``
+        does not; both fit and ``pl`` is cheaper on the joint graph, or as cheap, within
+        ``COST_TIE`` of the forward's estimated time, with a lower predicted peak;
+        neither fits and ``pl``'s predicted peak is lower)."""
+        c, cb = self._cost.get(id(pl)), self._cost.get(id(best))
+        if c is None or cb is None:
+            return best, best_pred
+        op_p = self.op_problem
+        tie = COST_TIE * op_p.forward_seconds if op_p is not None else 0.0
+        if pk <= budget:
+            if best_pred > budget or c < cb - tie or (abs(c - cb) <= tie and pk < best_pred):
+                return pl, pk
+        elif best_pred > budget and pk < best_pred:
+            return pl, pk
+        return best, best_pred
 
-        if self.op_problem is None or self._pred_none is None:
+    def _extra_candidates(self, ctx) -> list:
+        """``(plan, predicted peak)`` of PyTorch's budgeted partitions and of the
+        least-peak candidates (once :meth:`least_compiled_peak` has made them); none
+        without the op-level model, which prices them."""
+        if self.op_problem is None:
+            return []
+        return list(self._torch_portfolio(ctx)) + list(self._least or [])
+
+    def _torch_portfolio(self, ctx) -> list:
+        """PyTorch's min-cut partitioner on this joint graph, without our tags, under
+        ``activation_memory_budget`` = each of ``torch_budgets``: ``(TorchBudgetPlan,
+        predicted compiled peak)``, each priced (``_cost``) as the other candidates are.
+        Values that give the same partition as a larger one are dropped. Made once (the
+        joint graph is the same for every budget; :meth:`rechoose` reuses them)."""
+        import time
+
+        if self._portfolio is not None:
+            return self._portfolio
+        t0 = time.perf_counter()
+        self._portfolio = []
+        import torch
+
+        from .op_level import mutated_placeholders
+
+        op_p = self.op_problem
+        num_out = ctx["kwargs"].get("num_fwd_outputs", 0)
+        seen = set()
+        # Forward ops whose recompute would be wrong, as our plans never recompute them:
+        # random ones (a new mask) and those that read an input the step mutates (the
+        # recompute would read the new value; autograd's version check fails).
+        graph = ctx["joint"].graph
+        mutated = mutated_placeholders(graph)
+        unsafe = {nd.name for nd in graph.nodes if nd.op == "call_function" and (
+            any(a in mutated for a in nd.all_input_nodes)
+            or (isinstance(nd.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in nd.target.tags))}
+        unsafe &= set(op_p.names) if op_p is not None else set()
+        for amb in self.torch_budgets:
+            pl = TorchBudgetPlan(amb, forward_seconds=op_p.forward_seconds if op_p else 0.0)
+            try:
+                pk, fw, bw = self._predict(ctx, pl, keep=True)
+            except Exception as e:  # the partitioner failed under this value: drop it
+                self.torch_budget_error = f"{amb:g}: {type(e).__name__}: {e}"
+                continue
+            out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+            again = frozenset(n.name for n in bw.graph.nodes if n.op == "call_function")
+            bad = sorted(again & unsafe)
+            if bad:
+                self.torch_budget_error = (f"{amb:g}: recomputes {len(bad)} random or "
+                                           f"mutated-input ops, e.g. {bad[0]}")
+                continue
+            sig = (tuple(getattr(a, "name", None) for a in out.args[0][num_out:]), again)
+            if sig in seen:
+                continue
+            seen.add(sig)
+            pl.recompute_seconds = self._cost.get(id(pl), 0.0)
+            self._portfolio.append((pl, int(pk)))
+        self.portfolio_seconds = time.perf_counter() - t0
+        return self._portfolio
+
+    def least_compiled_peak(self) -> int:
+        """The least compiled peak this backend predicts for any candidate partition it
+        can make: the unplanned one; PyTorch's partitions under each of
+        ``torch_budgets``; the module-level least-peak plan (``milp.least_peak``); the
+        op-level plan that recomputes every op that may be recomputed; and op-level
+        MILP plans asked for less than the least of those. Each is partitioned for real
+        and its peak predicted as in the choice (calibrated by the measured unplanned
+        step), so it is the least peak a budget can ask of the backend with a
+        candidate predicted to fit. Those candidates then compete in later choices
+        (:meth:`rechoose`). ``least_peak_source`` says which gave it. A least below the
+        unplanned peak by less than ``LEAST_RESOLUTION`` of it is not resolved by the
+        predictions: then the unplanned peak is returned and no candidate joins. Needs a
+        backend that has compiled a graph with ``adapt=True``."""
+        import time
+
+        if self.op_problem is None or self._pred_none is None or self._ctx is None:
             raise PlannerError("least_compiled_peak() needs a backend that has compiled a "
-                               "graph with adapt=True")
-        p = self.op_problem
-        s, r = recompute_all(p)
-        return int(p.memory(s, r).max() + self._pred_none - p.baseline_peak)
+                               "graph with adapt=True (and the op-level model)")
+        if self._least is not None:
+            return self._least_value
+        from .milp import least_peak
+        from .op_level import make_op_plan, recompute_all
+        from .plan import BudgetTooSmallError, make_plan
+
+        t0 = time.perf_counter()
+        ctx, op_p = self._ctx, self.op_problem
+        cal = self._pred_none - op_p.baseline_peak
+        trials, pred = self.trials, self.predicted_peak_bytes
+        self.trials = []
+        least = []
+        try:
+            try:  # module-level: the least-peak eager plan
+                lo, _ = least_peak(ctx["p"])
+                mod = make_plan(ctx["p"], lo)
+                least.append((mod, int(self._predict(ctx, mod))))
+            except (BudgetTooSmallError, PlannerError):
+                pass
+            s, r = recompute_all(op_p)
+            if r.any():
+                allop = make_op_plan(op_p, s, r, 0, cal, solver="recompute-all")
+                least.append((allop, int(self._predict(ctx, allop))))
+            floor = min([pk for _, pk in least] +
+                        [pk for _, pk in self._torch_portfolio(ctx)] + [self._pred_none])
+            # op-level: the MILP asked for less than the least so far
+            op, op_pred = self._choose_ops(ctx, int(floor) - 1, self._pred_none)
+            if op is not None:
+                least.append((op, int(op_pred)))
+        finally:
+            self.least_trials = self.trials
+            self.trials, self.predicted_peak_bytes = trials, pred
+        self._least_all = least + list(self._torch_portfolio(ctx)) + [(None, self._pred_none)]
+        best_pl, best = min(self._least_all, key=lambda c: c[1])
+        if best > self._pred_none * (1 - LEAST_RESOLUTION):
+            # No candidate is predicted to save more than the predictions resolve (GPT-2:
+            # 52 KB of 1.2 GB, by recomputing every op): none is taken as the least, and
+            # none joins the choice for that.
+            best_pl, best, least = None, self._pred_none, []
+        self._least, self._least_value = least, int(best)
+        self.least_peak_source = "unplanned" if best_pl is None else plan_kind(best_pl)
+        self.least_compiled_seconds = time.perf_counter() - t0
+        return int(best)
 
     def rechoose(self, plan):
         """The plan this backend would follow for ``plan`` (made on the same problem,
@@ -760,7 +1028,7 @@ class CompileBackend:
 def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
                     compiler: str = "inductor", adapt: bool = True,
                     unplanned_peak_bytes: int | None = None, op_level: bool = True,
-                    **plan_kwargs) -> CompileBackend:
+                    torch_budgets=TORCH_BUDGETS, **plan_kwargs) -> CompileBackend:
     """A backend for ``torch.compile(model, backend=...)`` that checkpoints as planned.
 
     Give either ``plan`` (from ``pymemplan.plan`` / ``MemoryTrace.plan``), or ``budget``
@@ -777,8 +1045,11 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
     allocates that the eager trace cannot see (layout conversions, fused kernels'
     buffers). ``op_level``: let single ops of the joint graph be saved or recomputed
     (``op_level.py``), competing with the module-level plans at the same cost model;
-    ``plan`` may also be an ``OpPlan`` that a backend chose (``backend.chosen``), followed
-    as it is on the same model's graph."""
+    ``plan`` may also be an ``OpPlan`` or a ``TorchBudgetPlan`` that a backend chose
+    (``backend.chosen``), followed as it is on the same model's graph.
+    ``torch_budgets``: the ``activation_memory_budget`` values under which PyTorch's own
+    partitioner makes candidate partitions (:class:`TorchBudgetPlan`) that compete with
+    ours when adapting; ``()`` for none."""
     if plan is None:
         if budget is None or model is None or inputs is None:
             raise PlannerError(
@@ -790,4 +1061,4 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
 
         plan = make(model, inputs, budget, **plan_kwargs)
     return CompileBackend(plan, compiler, adapt, unplanned_peak_bytes=unplanned_peak_bytes,
-                          op_level=op_level)
+                          op_level=op_level, torch_budgets=torch_budgets)
