@@ -41,8 +41,10 @@ profiler's memory events, ``pymemplan.planner.measure.measure_step``):
   - ``pymemplan``: ``torch.compile(model, backend=pymemplan.compile_backend(plan=plan,
     unplanned_peak_bytes=...))``: the plan for the same budget, which the backend
     re-chooses for the compiled graph (module-level plans against op-level ones, see
-    ``pymemplan/planner/checkpoint/op_level.py``), its predictions calibrated by the
-    measured peak of the compiled step without a budget (the baseline, measured anyway);
+    ``pymemplan/planner/checkpoint/op_level.py``, and against PyTorch's own partitions
+    under ``activation_memory_budget`` 0.9, 0.75, 0.5, 0.3, 0.1 and 0, each taken only
+    when predicted to fit and cheapest), its predictions calibrated by the measured
+    peak of the compiled step without a budget (the baseline, measured anyway);
   - ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``: bisection
     over the float (``--bisect-steps``) for the largest value whose measured peak meets
     the budget; when the unbudgeted compiled step already meets it, 1.0.
@@ -51,9 +53,13 @@ profiler's memory events, ``pymemplan.planner.measure.measure_step``):
 an eager-derived budget may already be met by the unplanned compiled step. The compiled
 methods are also compared at budgets defined the same way relative to the compiled
 step: ``fixed_c + f * (compiled unplanned peak - fixed_c)``, with ``fixed_c`` the least
-achievable compiled peak (the op-level model's prediction, calibrated by the measured
-unplanned compiled step, when every op that may be recomputed is:
-``CompileBackend.least_compiled_peak``). They are ``compiled_points`` in the JSON, each
+achievable compiled peak as our backend predicts it: the least predicted compiled peak
+over the candidate partitions it can make at their most memory-saving settings (the
+unplanned one, PyTorch's partitions under each ``activation_memory_budget`` value, the
+module-level least-peak plan, the op-level plan that recomputes all it may, and
+op-level MILP plans asked for less), each partitioned for real and predicted like any
+candidate, calibrated by the measured unplanned compiled step
+(``CompileBackend.least_compiled_peak``). They are ``compiled_points`` in the JSON, each
 with its ``budget_basis``, and marked ``c`` (``0.3c``) in the tables.
 
 **Step time** is relative to the unplanned step in the same run: eager methods against
@@ -203,10 +209,18 @@ def point_name(f) -> str:
 
 
 def plan_key(pl) -> tuple:
-    """What makes two compiled plans the same: an op-level plan's recomputed nodes, or a
-    module-level plan's units."""
+    """What makes two compiled plans the same: an op-level plan's recomputed nodes, a
+    torch-budget partition's value, or a module-level plan's units."""
     key = getattr(pl, "key", None)
     return ("ops",) + key if key is not None else tuple(sorted(pl.policies.items()))
+
+
+def compiled_kind(pl) -> str:
+    """"module-level", "op-level" or "torch-budget:<value>" (a partition PyTorch's
+    partitioner made under that activation_memory_budget, which our backend chose)."""
+    from pymemplan.planner.checkpoint.compile_backend import plan_kind
+
+    return plan_kind(pl)
 
 
 class Variants:
@@ -488,9 +502,8 @@ def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, l
     budgets defined the same way relative to the compiled step (``compiled_points``,
     filled here): ``fixed_c + f * (compiled unplanned peak - fixed_c)``, where
     ``fixed_c`` is the least achievable compiled peak as the eager ``fixed`` is the least
-    achievable eager one: the peak our op-level model predicts (calibrated by the
-    measured unplanned compiled step) when every op that may be recomputed is
-    (``CompileBackend.least_compiled_peak``)."""
+    achievable eager one: the least compiled peak our backend predicts for any of its
+    candidate partitions (``CompileBackend.least_compiled_peak``)."""
     import dataclasses
 
     import pymemplan
@@ -523,14 +536,27 @@ def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, l
     first_cm, first_cs, first_peak = compile_and_measure(model, first, inputs, loss_fn)
     first_choose_s = first.choose_seconds
     info["calibration_bytes"] = first.calibration_bytes
+    t0 = time.perf_counter()
     fixed_c = first.least_compiled_peak()
+    info.update(least_compiled_seconds=time.perf_counter() - t0,
+                least_compiled_source=first.least_peak_source,
+                portfolio_seconds=getattr(first, "portfolio_seconds", None),
+                least_candidates=[
+                    ["unplanned" if pl is None else
+                     f"{compiled_kind(pl)} ({getattr(pl, 'solver', '')})", pk]
+                    for pl, pk in first._least_all])
+    log(f"  least compiled peak {fixed_c / MIB:.1f} MiB ({first.least_peak_source}, "
+        f"{info['least_compiled_seconds']:.0f} s)")
     activation_c = base_peak - fixed_c
     budgets_c = {f: int(fixed_c + f * activation_c) for f in budgets}
     info.update(fixed_compiled_bytes=fixed_c, activation_compiled_bytes=activation_c,
                 fixed_compiled_definition=(
-                    "least achievable compiled peak: predicted by the op-level model "
-                    "(calibrated by the measured unplanned compiled step) with every "
-                    "recomputable op recomputed (CompileBackend.least_compiled_peak)"),
+                    "least achievable compiled peak: the least predicted compiled peak "
+                    "(calibrated by the measured unplanned compiled step) over the "
+                    "backend's candidate partitions at their most memory-saving "
+                    "settings: unplanned, PyTorch's under each activation_memory_budget "
+                    "value, module-level least-peak, op-level recompute-all, op-level "
+                    "MILP below those (CompileBackend.least_compiled_peak)"),
                 budgets_compiled={str(f): b for f, b in budgets_c.items()})
     log("  compiled budgets (relative to the compiled step): " + ", ".join(
         f"{f:g}: {b / MIB:.1f}" for f, b in budgets_c.items()) + " MiB")
@@ -596,14 +622,13 @@ def run_compiled(model, inputs, loss_fn, budgets, plans, points, args, record, l
                    solve_seconds=getattr(start, "solve_seconds", 0.0) + choose_s,
                    predicted_peak_bytes=predicted,
                    predicted_recompute_fraction=fraction,
-                   plan_kind="op-level" if getattr(chosen, "key", None) is not None
-                   else "module-level",
+                   plan_kind=compiled_kind(chosen),
                    units=chosen.policies, trials=trials)
         configs.add("pymemplan-compiled", key, id(cm), (cm, nothing, nothing))
         log(f"  pymemplan compiled {point_name(key)}: measured {peak / MIB:.1f} MiB "
             f"(budget {all_budgets[key] / MIB:.1f}, predicted "
             f"{predicted / MIB if predicted else float('nan'):.1f}), "
-            f"{'op-level' if getattr(chosen, 'key', None) is not None else 'module-level'} "
+            f"{compiled_kind(chosen)} "
             f"plan, {len(chosen.policies)} units, {cs:.0f} s to compile")
 
     # torch.compile's activation_memory_budget, bisected per budget.
@@ -784,8 +809,15 @@ def summary_table(results) -> str:
 
 
 def kind(d) -> str:
-    """"ops: " for an op-level compiled plan, "" otherwise."""
-    return "ops: " if d and d.get("plan_kind") == "op-level" else ""
+    """"ops: " for an op-level compiled plan, "torch 0.75: " for a partition PyTorch's
+    partitioner made under activation_memory_budget=0.75 that our backend chose, ""
+    for a module-level plan."""
+    k = (d or {}).get("plan_kind") or ""
+    if k == "op-level":
+        return "ops: "
+    if k.startswith("torch-budget:"):
+        return f"torch {k.split(':', 1)[1]}: "
+    return ""
 
 
 def plot(results, path):
