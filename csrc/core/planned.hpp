@@ -22,10 +22,11 @@
 //   predicted from the same allocation one period earlier) and at most P (>= 50% to be
 //   planned; scored on a sample, exact for the winner). Confirmed candidates (the last P events
 //   equal the P before) win ties; where the window is all one shorter confirmed repetition
-//   (repeated layers), only its multiples by powers of two are examined. Detection runs while there is no plan, the active
-//   plan diverged within its last period, or the active plan is too small to arm (a period of
-//   layers must not hide the iteration), at most once per (its work / 32) events; while a plan
-//   worth arming matches, the window index is not even updated (it catches up later).
+//   (repeated layers), only its multiples by powers of two are examined. Detection runs while
+//   there is no plan, the active plan diverged within its last period, or the active plan is
+//   too small to arm (a period of layers must not hide the iteration), at most once per (its
+//   work / 32) events; while a plan worth arming matches, the window index is not even
+//   updated (it catches up later).
 // - Cut. The plan's period is rotated to start where the fewest planned bytes are alive (the
 //   iteration boundary in training); blocks alive across it wrap around the circle. Blocks
 //   living longer than a period (parameters, optimizer state) stay with the pool.
@@ -36,16 +37,17 @@
 //   (arming when a stored plan is recognised by its first kPrefix requests, which the pool has
 //   served already).
 // - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its
-//   bound failed to match it and slots of less than that were skipped, or at once when a stored plan is recognised at the start of an
-//   iteration; only if its bound is >= 20% of the highest live bytes (periods of repeated layers
-//   are not worth an arena). Arming gives back what the pool holds beyond its live blocks
-//   (CachingAllocator::trim: unused pages, wholly free segments; arena pages beyond what this
-//   plan needs), and lowers the pool's grow mark to the footprint the plan expects (live pool
-//   pages + arena): from then on memory grows past that only after unused pages, the arena's
-//   idle ones included, went back. The plan is used only if that footprint is at most the
-//   highest reserved so far, or within plan_slack per mille of the highest live bytes; the
-//   packer gives up as soon as it cannot meet that. An armed plan whose pass took memory past
-//   what it was accepted for is dropped at its next cut.
+//   bound failed to match it and slots of less than that were skipped, or at once when a
+//   stored plan is recognised at the start of an iteration; only if its bound is >= 20% of
+//   the highest live bytes (periods of repeated layers are not worth an arena). Arming gives
+//   back what the pool holds beyond its live blocks (CachingAllocator::trim: unused pages,
+//   wholly free segments; arena pages beyond what this plan needs), and lowers the pool's
+//   grow mark to the footprint the plan expects (live pool pages + arena): from then on
+//   memory grows past that only after unused pages, the arena's idle ones included, went
+//   back. The plan is used only if that footprint is at most the highest reserved so far, or
+//   within plan_slack per mille of the highest live bytes; the packer gives up as soon as it
+//   cannot meet that. An armed plan whose pass took memory past what it was accepted for is
+//   dropped at its next cut.
 // - Serving. A cursor walks the plan's allocations. A request that matches the slot at the
 //   cursor (same rounded size and stream) gets arena + offset if that range is free and safe
 //   now, otherwise the pool serves it: memory is never handed out twice. A mismatch looks
@@ -61,9 +63,9 @@
 //   plan that applies (alternating shapes, shapes that come back), but never one too small to
 //   arm, nor, while the active plan matches, one whose last pass skipped many of its slots (a
 //   wrong period): they would take the cursor from the iteration's plan while it waits for its
-//   cut; a plan seen again is
-//   recognised by its signature and not re-packed. One arena serves every plan (a plan needing
-//   more than its size gets a new one; the old one is retired into the pool).
+//   cut. A plan seen again is recognised by its signature and not re-packed. One arena
+//   serves every plan (a plan needing more than its size gets a new one; the old one is
+//   retired into the pool).
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
 //   trimming can only return wholly free segments of the pool.
 #pragma once
@@ -211,7 +213,8 @@ class PlannedAllocator : public Allocator {
     std::uint64_t last_used = 0;
     bool validated = false;            // a pass over it matched (see kArmShare)
     // Its last pass passed over many of its slots: probably the wrong period (a step of
-    // identical layers repeats within itself). Not adopted again by its prefix.
+    // identical layers repeats within itself). Not adopted by its prefix while the active
+    // plan matches.
     bool passed_over = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
   };

@@ -493,7 +493,7 @@ class CompileBackend:
     def __init__(self, plan, compiler: str = "inductor", adapt: bool = True,
                  search_steps: int = 4, unplanned_peak_bytes: int | None = None,
                  op_level: bool = True, op_time_limit: float = 10.0,
-                 torch_budgets=TORCH_BUDGETS, transient_allowance: bool = False):
+                 torch_budgets=TORCH_BUDGETS):
         if compiler not in ("aot_eager", "inductor"):
             raise PlannerError(f"compiler={compiler!r}: use 'aot_eager' or 'inductor'")
         self.plan = plan
@@ -508,7 +508,6 @@ class CompileBackend:
         # PyTorch's own budgeted partitions compete too (TorchBudgetPlan), when adapting
         # and the op-level model can price them.
         self.torch_budgets = tuple(torch_budgets or ())
-        self.transient_allowance = transient_allowance
         self.torch_budget_error = None  # why a value was dropped, if one was
         self._portfolio = None   # [(TorchBudgetPlan, predicted peak)] of the first graph
         self._least = None       # [(plan, predicted peak)]: the least-peak candidates
@@ -661,12 +660,8 @@ class CompileBackend:
                                                    - op_p.baseline_recomputed)
         peak = predict_compiled_peak(ctx["p"], x, saved, ctx["modules"], transients)
         # The spans of recomputed values are estimates (Inductor schedules the backward
-        # kernels and their buffers itself). With ``transient_allowance``, allow for the
-        # largest one live once more; off by default: without it the predictions of the
-        # op-level plans measured exact (resnet50, 5 of 5 budgets, to 0.1 MiB), and the
-        # allowance only made plans land that far under their budget.
-        if self.transient_allowance:
-            peak += max((t[0] for t in transients), default=0)
+        # kernels and their buffers itself); no allowance is added for them: with none, the
+        # op-level predictions measured exact (resnet50, 5 of 5 budgets, to 0.1 MiB).
         peak += self.calibration_bytes
         frac = (self._cost[id(pl)] / op_p.forward_seconds if op_p is not None
                 and op_p.forward_seconds else pl.recompute_cost["fraction_of_forward"])
