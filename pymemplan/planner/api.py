@@ -52,7 +52,12 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
                 autocast=autocast, train=train, progress=progress,
                 probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
                 grad_scaler=grad_scaler)
-    return MemoryTrace(g)
+    t = MemoryTrace(g)
+    # How to trace the same step again (a checkpoint plan is verified that way).
+    t._trace_kwargs = dict(loss_fn=loss_fn, optimizer=optimizer, device=device,
+                           autocast=autocast, train=train, probe_kernels=probe_kernels,
+                           grads_present=grads_present, grad_scaler=grad_scaler)
+    return t
 
 
 def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels):
@@ -115,6 +120,7 @@ class MemoryTrace:
 
     def __init__(self, graph: StepGraph):
         self.graph = graph
+        self._trace_kwargs = None  # set by trace(): the step can be traced again
 
     # -- core figures --------------------------------------------------------------------
     @cached_property
@@ -353,7 +359,8 @@ class MemoryTrace:
         return cache[key]
 
     def plan(self, budget, *, model=None, inputs=None, modules=None,
-             policies=("full", "save-compute"), solver: str = "auto", time_limit: float = 10.0):
+             policies=("full", "save-compute"), solver: str = "auto", time_limit: float = 10.0,
+             verify: bool | None = None):
         """Which modules to checkpoint so the step's peak stays within ``budget`` (bytes or
         "6GiB"), at the least recompute cost. Returns a
         :class:`pymemplan.planner.checkpoint.Plan`; raises ``BudgetTooSmallError`` with
@@ -362,12 +369,25 @@ class MemoryTrace:
         ``["transformer.h.*"]``) restricts which modules may be checkpointed, and
         ``policies`` how (see :meth:`checkpoint_problem`).
         ``solver``: "auto" (chain DP if the candidates form a chain, else MILP, else
-        greedy), "chain-dp", "milp" or "greedy"; ``time_limit`` bounds the MILP."""
-        from .checkpoint.plan import make_plan
+        greedy), "chain-dp", "milp" or "greedy"; ``time_limit`` bounds the MILP.
+        ``verify`` (default: whenever ``model`` and ``inputs`` are given to a trace made by
+        :func:`trace`): trace the step again with the plan applied and, if that peak is over
+        the budget, solve again for less (``checkpoint.plan.verify_plan``); the traced peak
+        is ``plan.verified_peak_bytes``. It costs one more trace per plan."""
+        from .checkpoint.plan import make_plan, verify_plan
 
-        return make_plan(self.checkpoint_problem(model, inputs, modules, policies), budget,
-                         solver=solver,
-                         time_limit=time_limit)
+        if verify is None:
+            verify = model is not None and inputs is not None and self._trace_kwargs is not None
+        if verify and (model is None or inputs is None or self._trace_kwargs is None):
+            raise PlannerError("verify=True needs model= and inputs= (the step is traced again "
+                               "with the plan applied), on a trace made by pymemplan.trace")
+        pl = make_plan(self.checkpoint_problem(model, inputs, modules, policies), budget,
+                       solver=solver, time_limit=time_limit)
+        if not verify:
+            return pl
+        kwargs = self._trace_kwargs
+        return verify_plan(pl, lambda m, x: trace(m, x, **kwargs), model, inputs,
+                           self.peak_bytes, solver=solver, time_limit=time_limit)
 
     def pareto(self, points: int = 12, *, model=None, inputs=None, modules=None,
                policies=("full", "save-compute"), path=None,

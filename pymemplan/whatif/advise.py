@@ -470,7 +470,9 @@ class _Advisor:
             if budget <= 0:
                 break
             try:
-                plan = t.plan(budget, model=self.model, inputs=inputs)
+                # verify=False: the loop below traces the checkpointed step itself (its
+                # reserved peak too) and lowers the budget until it fits.
+                plan = t.plan(budget, model=self.model, inputs=inputs, verify=False)
             except BudgetTooSmallError as e:
                 return None, e
             ck = replace(cfg, checkpoint=checkpoint_key(plan))

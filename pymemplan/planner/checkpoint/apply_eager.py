@@ -14,6 +14,13 @@ attributes.
 Recomputing a forward would update BatchNorm's running statistics a second time; the
 wrapper puts the running buffers of the unit's BatchNorm layers back after the
 recompute, so they move once per step, as without checkpointing.
+
+A key/value cache is the other state a forward mutates: a recomputed attention layer
+would append its keys to it a second time, and backward would fail on mismatched
+shapes. A Hugging Face model's ``config.use_cache`` is therefore turned off while a plan
+is applied (as transformers' own gradient checkpointing does; training never reads the
+cache) and restored by :func:`remove`; a cache passed to a checkpointed module anyway is
+a clear error at the forward, not a shape error deep in backward.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import functools
 import re
 
 _MARK = "_pymemplan_checkpointed"
+_USE_CACHE = "_pymemplan_use_cache"  # a Hugging Face config's use_cache before apply()
 
 
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -81,9 +89,15 @@ def _run_checkpointed(forward, owners, policy, *args, **kwargs):
     buffers = [getattr(m, b) for m in _bn_modules(owners) if owners[0].training
                for b in _BN_BUFFERS if getattr(m, b, None) is not None]
     calls = [0]
+    # The arguments as they are now: checkpoint keeps the objects, and a caller may change a
+    # list after the call (DenseNet appends each layer's output to the list it passes), so
+    # the recompute gets copies of the containers, with the same tensors in them.
+    first_args, first_kwargs = _snapshot(args), _snapshot(kwargs)
 
     def run(*a, **k):
         calls[0] += 1
+        if calls[0] > 1:
+            a, k = first_args, first_kwargs
         if calls[0] == 1 or not buffers:
             return forward(*a, **k)
         # The recompute: put BatchNorm's running statistics back as the first run left
@@ -102,12 +116,44 @@ def _run_checkpointed(forward, owners, policy, *args, **kwargs):
 
     if not torch.is_grad_enabled():  # inference: nothing would be saved anyway
         return forward(*args, **kwargs)
+    _refuse_caches(owners, args, kwargs)
     extra = {}
     if policy == "save-compute":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
         extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
                                                 _save_compute_policy)
     return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def _snapshot(v):
+    """``v`` with its lists, dicts and tuples copied (recursively), tensors and other
+    objects shared."""
+    if type(v) is list:
+        return [_snapshot(x) for x in v]
+    if type(v) is tuple:
+        return tuple(_snapshot(x) for x in v)
+    if type(v) is dict:
+        return {key: _snapshot(x) for key, x in v.items()}
+    return v
+
+
+def _is_cache(v) -> bool:
+    # transformers.cache_utils.Cache, recognised by its interface so that transformers
+    # need not be imported (nor installed).
+    return (not isinstance(v, (list, tuple, dict)) and callable(getattr(v, "update", None))
+            and callable(getattr(v, "get_seq_length", None)))
+
+
+def _refuse_caches(owners, args, kwargs):
+    from ..errors import PlannerError
+
+    for name, v in [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        if v is not None and _is_cache(v):
+            raise PlannerError(
+                f"a key/value cache ({type(v).__name__}, {name}) is passed to the checkpointed "
+                f"module {type(owners[0]).__name__}: its recompute in backward would append "
+                f"to the cache a second time. Train with use_cache=False (the plan turns "
+                f"model.config.use_cache off; a call passing use_cache=True overrides it)")
 
 
 _SEGMENT = re.compile(r"^(.*)\[([^\[\]:]+):([^\[\]:]+)\]$")
@@ -156,6 +202,10 @@ def apply(model, modules):
             by_start[names.index(first)] = (names.index(last), policy)
         object.__setattr__(seq, "forward", functools.partial(_segmented_forward, seq, by_start))
         object.__setattr__(seq, _MARK, True)
+    cfg = getattr(model, "config", None)
+    if modules and getattr(cfg, "use_cache", None) is True and _USE_CACHE not in model.__dict__:
+        object.__setattr__(model, _USE_CACHE, True)
+        cfg.use_cache = False
     return model
 
 
@@ -174,6 +224,8 @@ def remove(model):
     for m in model.modules():
         if m.__dict__.pop(_MARK, False):
             m.__dict__.pop("forward", None)
+    if model.__dict__.pop(_USE_CACHE, None) is not None:
+        model.config.use_cache = True
     return model
 
 

@@ -59,6 +59,9 @@ class Plan:
     note: str = ""
     problem: CheckpointProblem | None = None
     choice: np.ndarray | None = None   # 0/1 per candidate of ``problem``
+    # The peak of the step traced again with the plan applied to the model (verify_plan);
+    # None when not verified.
+    verified_peak_bytes: int | None = None
 
     @property
     def recompute_cost(self) -> dict:
@@ -104,6 +107,9 @@ class Plan:
                          f"{format_bytes(d.activation_bytes):>10}")
         if len(self.recomputed) > 20:
             lines.append(f"    ... and {len(self.recomputed) - 20} more")
+        if self.verified_peak_bytes is not None:
+            lines.insert(2, f"  verified peak   {format_bytes(self.verified_peak_bytes)} "
+                            f"(the step traced again with the plan applied)")
         lines.append("  at the peak     " + ", ".join(
             f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v))
         return "\n".join(lines)
@@ -115,6 +121,7 @@ class Plan:
         return {"budget_bytes": self.budget_bytes, "solver": self.solver,
                 "optimal": self.optimal, "gap": self.gap, "solve_seconds": self.solve_seconds,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
+                "verified_peak_bytes": self.verified_peak_bytes,
                 "unplanned_peak_bytes": self.unplanned_peak_bytes,
                 "recompute_cost": self.recompute_cost, "cost_model": self.cost_model,
                 "recomputed": self.policies,
@@ -200,6 +207,58 @@ def make_plan(p: CheckpointProblem, budget, *, solver: str = "auto",
                 chosen, list(kept.values()),
                 {c: int(a[i]) for c, a in tl.by_category.items()}, p.cost_model,
                 "; ".join(s for s in (sol.note, note) if s), p, np.asarray(sol.x))
+
+
+VERIFY_ROUNDS = 3  # re-solves after a plan re-traced over its budget
+
+
+def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
+                solver: str = "auto", time_limit: float = 10.0) -> Plan:
+    """Trace the step again with ``pl`` applied to ``model`` (``retrace(model, inputs)``
+    returns a trace) and record its peak in ``verified_peak_bytes``. The plan's peak is
+    predicted by a model linear in the units' choices; checkpointed units can interact
+    in ways it does not see (DenseNet's layers, which read every earlier layer's output:
+    3 MiB over a 111 MiB budget). A plan traced over its budget is solved again for
+    the budget less the excess, up to ``VERIFY_ROUNDS`` times. If none fits, the last
+    plan is returned with a warning: its ``verified_peak_bytes`` says by how much it
+    misses. The model is left as it was."""
+    import warnings
+
+    from .apply_eager import apply, checkpointed_modules, remove
+
+    if checkpointed_modules(model):
+        raise PlannerError("verifying a plan applies it to the model, which already has a "
+                           "plan applied: call plan.remove(model) first, or pass "
+                           "verify=False")
+    budget, target = pl.budget_bytes, pl.budget_bytes
+    for round_ in range(VERIFY_ROUNDS + 1):
+        if not pl.recomputed:
+            peak = unplanned_peak
+        else:
+            apply(model, pl.policies)
+            try:
+                peak = int(retrace(model, inputs).peak_bytes)
+            finally:
+                remove(model)
+        pl.verified_peak_bytes = peak
+        if peak <= budget or round_ == VERIFY_ROUNDS:
+            break
+        target -= peak - budget
+        try:
+            again = make_plan(pl.problem, target, solver=solver, time_limit=time_limit)
+        except BudgetTooSmallError:
+            break
+        again.budget_bytes = budget
+        again.note = "; ".join(x for x in (again.note, (
+            f"solved for {format_bytes(target)}: the plan for the budget traced at "
+            f"{format_bytes(peak)} with it applied")) if x)
+        pl = again
+    if pl.verified_peak_bytes > budget:
+        warnings.warn(f"the checkpoint plan for {format_bytes(budget)} traces at "
+                      f"{format_bytes(pl.verified_peak_bytes)} when applied, over the budget "
+                      f"(predicted {format_bytes(pl.predicted_peak_bytes)}); a lower budget "
+                      f"gives one that fits", RuntimeWarning, stacklevel=3)
+    return pl
 
 
 def _is_chain(p: CheckpointProblem) -> bool:
