@@ -4,6 +4,7 @@ the plan predicts."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -248,3 +249,67 @@ def test_a_hugging_face_kv_cache_is_off_while_a_plan_is_applied():
     plan.remove(model)
     assert model.config.use_cache is True
     assert model.__dict__.get("_pymemplan_use_cache") is None
+
+
+class Excite(nn.Module):
+    """A 1x1 convolution, then an in-place activation on its output (EfficientNet's
+    squeeze-excitation)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.fc = nn.Conv2d(c, c, 1)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.act(self.fc(x)))
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+        self.act = nn.ReLU(inplace=True)  # changes its own argument
+        self.excite = Excite(c)
+
+    def forward(self, x):
+        return x + self.excite(self.act(self.bn(self.conv(x))))
+
+
+def test_modules_whose_tensors_change_in_place_are_checkpointed_only_where_it_works():
+    # Checkpoint keeps a module's arguments and autograd refuses them changed in place;
+    # selective checkpointing caches convolution outputs and refuses them changed too.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1),
+                          *[InPlaceBlock(16) for _ in range(4)], nn.Flatten(), nn.LazyLinear(10))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    model(x)  # materialise the lazy layer
+    ref = copy.deepcopy(model)
+
+    def loss(o):
+        return F.cross_entropy(o, y)
+
+    t = pymemplan.trace(model, (x,), loss_fn=loss, device="cpu")
+    p = t.checkpoint_problem(model, (x,))
+    names = {(c.module, c.policy) for c in p.candidates}
+
+    def holds_an_excite(unit):  # blocks 1..4 whole, their excite, or a run over them
+        run = re.match(r"^\[(\d+):(\d+)\]$", unit)
+        if run:
+            return int(run.group(1)) <= 4 and int(run.group(2)) >= 1
+        return unit.split(".")[0] in "1234" and (unit.count(".") == 0 or ".excite" in unit)
+
+    assert not any(m.endswith(".act") for m, _ in names)
+    assert not any(pol == "save-compute" and holds_an_excite(m) for m, pol in names)
+    assert ("1", "full") in names  # a whole block can be recomputed
+    least, _ = least_peak(p)
+    for f in (0.2, 0.5, 0.8):
+        plan = t.plan(int(least + f * (t.peak_bytes - least)), model=model, inputs=(x,))
+        assert plan.verified_peak_bytes <= plan.budget_bytes
+        plan.apply(model)
+        model.zero_grad(), ref.zero_grad()
+        loss(model(x)).backward()
+        loss(ref(x)).backward()
+        plan.remove(model)
+        for (n, q), q0 in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(q.grad, q0.grad, rtol=1e-5, atol=1e-6), (f, n)

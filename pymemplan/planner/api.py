@@ -334,12 +334,12 @@ class MemoryTrace:
             if model is not None and inputs is None:
                 raise PlannerError("checkpoint_problem(model=...) also needs inputs=..., the "
                                    "inputs the step was traced with, to count FLOPs")
-            flops = callable_modules = sequential = outputs = None
+            flops = callable_modules = sequential = outputs = mutated = None
             if model is not None:
                 import torch
 
                 inputs = (inputs,) if not isinstance(inputs, (tuple, list)) else tuple(inputs)
-                flops, outputs, names = forward_facts(model, inputs,
+                flops, outputs, names, mutated = forward_facts(model, inputs,
                                                       train=self.graph.meta.get("train", True),
                                                       device=self.graph.device,
                                                       autocast=self.graph.meta.get("autocast"))
@@ -355,7 +355,9 @@ class MemoryTrace:
             cache[key] = build_problem(self.graph, flops=flops, modules=modules,
                                        callable_modules=callable_modules,
                                        sequential_modules=sequential, outputs=outputs,
-                                       policies=tuple(policies))
+                                       policies=tuple(policies),
+                                       mutated_inputs=mutated and mutated["arguments"],
+                                       mutated_compute=mutated and mutated["compute_outputs"])
         return cache[key]
 
     def plan(self, budget, *, model=None, inputs=None, modules=None,

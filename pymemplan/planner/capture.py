@@ -198,22 +198,29 @@ class _Recorder:
         on_host = bool(in_keys) and all(k in self.host for k in in_keys)
         used = []
         new_bytes = 0
+        outs = []  # per tensor output: (tensor id, bytes) if this op made it, else None
         for o in pytree.tree_leaves(out):
-            if not isinstance(o, torch.Tensor) or not is_fake(o):
+            if not isinstance(o, torch.Tensor):
+                continue
+            if not is_fake(o):
+                outs.append(None)
                 continue
             key = _storage_key(o)
             if on_host:
                 self.register_host(o)
+                outs.append(None)
                 continue
-            tid = self.live.get(key)
+            tid, made = self.live.get(key), None
             if tid is None:
                 if getattr(func, "is_view", False) or key in in_keys:
                     # An alias of a storage made before the step that we were not told
                     # about (e.g. a plain tensor attribute of a module).
                     tid = self._new(o, BUFFER, BEFORE_STEP, name="untracked tensor")
                 else:
-                    tid = self._new(o, TEMPORARY, index, op=name, module=module, phase=self.phase)
+                    tid = made = self._new(o, TEMPORARY, index, op=name, module=module,
+                                           phase=self.phase)
                     new_bytes += self.tensors[tid].nbytes
+            outs.append(None if made is None else (made, self.tensors[made].nbytes))
             used.append(tid)
         for k in in_keys:
             tid = self.live.get(k)
@@ -233,7 +240,7 @@ class _Recorder:
             except Exception:  # an overload the formula does not cover: no FLOPs known
                 op.flops = 0.0
         if self.probes is not None and not on_host:
-            self.probes.add(index, func, args, kwargs, new_bytes)
+            self.probes.add(index, func, args, kwargs, new_bytes, outs)
         if self.progress is not None and index % 500 == 0:
             self.progress(self.phase, index)
         return out
@@ -442,6 +449,11 @@ def finish_recording(rec, probes, progress, activations, grads):
         scratch, probe_stats = probes.measure(progress)
         for i, ws in scratch.items():
             rec.ops[i].scratch = ws
+        # Outputs the real kernel makes larger than the fake one says (an RNN layer's
+        # workspace, empty under fake tensors, is kept from forward to backward).
+        for tid, nbytes in probes.grown.items():
+            t = rec.tensors[tid]
+            t.nbytes, t.size = nbytes, rec.profile.device_bytes(nbytes)
     for tid in activations:
         rec.tensors[tid].category = ACTIVATION
     for tid in grads:

@@ -13,7 +13,11 @@ run once on real zero-filled tensors under the allocation recorder
 allocator's total during the op minus what is still allocated when it returns (its
 outputs). That is exact for this machine and needs no list of ops. Signatures whose
 tensors would need more than ``limit`` bytes are not run (their scratch counts as 0 and
-the trace says how many were skipped).
+the trace says how many were skipped). Nor are ops that take a buffer an earlier kernel
+filled for them (an argument named ``workspace`` or ``reserve``: the backward of an RNN
+layer reads its forward's workspace as an opaque structure). The fake trace cannot
+describe such a buffer (it is often empty there), and a kernel run on it can corrupt
+memory (``mkldnn_rnn_layer_backward`` on the CPU does).
 
 A CUDA target cannot be probed without a GPU: cuDNN and cuBLAS workspaces are a
 documented gap of the CUDA prediction.
@@ -40,6 +44,14 @@ def _leaf_key(x):
     raise _Unprobeable(type(x).__name__)
 
 
+_OPAQUE = frozenset({"workspace", "reserve", "reserveSpace"})
+
+
+def _reads_opaque_buffer(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.name in _OPAQUE for a in schema.arguments)
+
+
 @dataclass
 class ProbeSet:
     """Distinct op signatures seen during capture, and the ops that share each."""
@@ -48,23 +60,35 @@ class ProbeSet:
     signatures: dict = field(default_factory=dict)   # key -> (func, spec, leaf keys, bytes)
     ops: dict = field(default_factory=dict)          # key -> [op index, ...]
     unprobeable: int = 0
+    opaque_buffers: int = 0  # ops not run: they read a workspace an earlier kernel filled
+    outputs: dict = field(default_factory=dict)      # op index -> add()'s outputs
+    grown: dict = field(default_factory=dict)        # tensor id -> real bytes (measure())
 
-    def add(self, index: int, func, args, kwargs, out_bytes: int) -> None:
+    def add(self, index: int, func, args, kwargs, out_bytes: int, outputs=()) -> None:
+        """``outputs``: per tensor output of the op, in order, ``(tensor id, bytes)`` of
+        the storage it made under fake tensors (None for one it did not make)."""
+        import torch
         from torch.utils import _pytree as pytree
 
         if getattr(func, "is_view", False):
             return  # views allocate nothing
+        if _reads_opaque_buffer(func):
+            self.opaque_buffers += 1
+            return
         leaves, spec = pytree.tree_flatten((args, kwargs or {}))
         try:
             keys = tuple(_leaf_key(x) for x in leaves)
         except _Unprobeable:
             self.unprobeable += 1
             return
-        key = (func, str(spec), keys)
+        # Kernels may read grad mode (an RNN layer keeps its workspace only with grad on):
+        # each signature runs under the mode it ran in during the step.
+        key = (func, str(spec), keys, torch.is_grad_enabled())
         if key not in self.signatures:
             need = out_bytes + sum(k[5] for k in keys if k[0] == "T")
             self.signatures[key] = (func, spec, keys, need)
         self.ops.setdefault(key, []).append(index)
+        self.outputs[index] = list(outputs)
 
     def measure(self, progress=None) -> tuple[dict[int, int], dict]:
         """Run each signature once; return ({op index: scratch bytes}, statistics)."""
@@ -75,7 +99,8 @@ class ProbeSet:
 
         scratch: dict[int, int] = {}
         stats = {"signatures": len(self.signatures), "probed": 0, "skipped_over_limit": 0,
-                 "failed": 0, "unprobeable_ops": self.unprobeable, "ops_with_scratch": 0}
+                 "failed": 0, "unprobeable_ops": self.unprobeable,
+                 "opaque_buffer_ops": self.opaque_buffers, "ops_with_scratch": 0}
         for n, (key, (func, spec, keys, need)) in enumerate(self.signatures.items()):
             if need > self.limit:
                 stats["skipped_over_limit"] += 1
@@ -92,12 +117,21 @@ class ProbeSet:
                     leaves.append(k[2])
             args, kwargs = pytree.tree_unflatten(leaves, spec)
             try:
-                with torch.no_grad(), record(device="cpu", name=str(func)) as rec:
+                with torch.set_grad_enabled(key[3]), record(device="cpu", name=str(func)) as rec:
                     out = func(*args, **kwargs)
             except Exception:  # an op that cannot run on zeros (e.g. needs a positive size)
                 stats["failed"] += 1
                 continue
+            # A real output larger than the fake one (a kernel's workspace, which fake
+            # tensors leave empty) is taken at its real size.
+            real = [o.untyped_storage().nbytes() if isinstance(o, torch.Tensor) else 0
+                    for o in pytree.tree_leaves(out, is_leaf=lambda x: x is None)
+                    if o is None or isinstance(o, torch.Tensor)]
             del out
+            for i in self.ops[key]:
+                for made, nbytes in zip(self.outputs.get(i, ()), real):
+                    if made is not None and nbytes > made[1]:
+                        self.grown[made[0]] = nbytes
             m = rec.trace.meta
             ws = (m["peak_total_allocated"] - m["final_total_allocated"]) if m.get("events") else 0
             stats["probed"] += 1

@@ -62,7 +62,7 @@ def module_flops(model, inputs) -> dict[str, float]:
 
 def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autocast=None):
     """Run the model's forward once on fake tensors (nothing computed or allocated) and
-    return ``(flops, outputs, op_names)``.
+    return ``(flops, outputs, op_names, mutated)``.
 
     ``device`` (the traced step's target, whose profile reroutes attention and dropout to
     the kernels that device runs) and ``autocast`` (a dtype, or its name as the trace's
@@ -74,7 +74,17 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
       capture does. In-place ops (``out += x; relu_(out)``) keep the storage's first
       allocation, which is what the trace records;
     - ``op_names``: the ops in order, so the caller can check that they line up with the
-      trace before trusting ``outputs``.
+      trace before trusting ``outputs``;
+    - ``mutated``: what the forward changes in place that checkpointing must keep as it
+      was, as two sets of module paths. ``"arguments"``: modules one of whose tensor
+      arguments was changed in place after the module was called (by the module itself,
+      as an ``inplace=True`` activation, or by later code). Checkpoint keeps a module's
+      arguments for the recompute, and autograd refuses one changed since: such a module
+      cannot be checkpointed. ``"compute_outputs"``: modules in which a matmul,
+      convolution or attention made an output that was changed in place later
+      (EfficientNet's squeeze-excitation: a 1x1 convolution, then ``SiLU(inplace=True)``).
+      Selective checkpointing caches those outputs and refuses them changed: no module
+      containing one can be checkpointed ``save-compute``.
     """
     import contextlib
 
@@ -102,15 +112,21 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     # a later one. Fake storages hold no memory.
     alive: list = []
 
+    stack: list[str] = []  # the module paths being called, innermost last
+    computed: list = []    # (module path, output, its version) of compute-bound ops
+
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            heavy = is_compute_bound(str(func))
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
                     st = o.untyped_storage()
                     if st._cdata not in first:
                         first[st._cdata] = len(names)
                         alive.append(st)
+                    if heavy and stack:
+                        computed.append((stack[-1], o, o._version))
             names.append(str(func))
             return out
 
@@ -122,9 +138,20 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
 
     outputs: dict[str, list] = {}
     hooks = []
+    called: list = []  # (path, [(tensor, version at the call)])
+
+    def enter(path):
+        def hook(_m, args, kwargs):
+            stack.append(path)
+            leaves = pytree.tree_leaves((args, kwargs))
+            called.append((path, [(t, t._version) for t in leaves
+                                  if isinstance(t, torch.Tensor)]))
+        return hook
 
     def leave(path):
         def hook(_m, _args, out):
+            if stack and stack[-1] == path:
+                stack.pop()
             outputs[path] = [(first.get(o.untyped_storage()._cdata, -1),
                               o.untyped_storage().nbytes())
                              for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
@@ -134,6 +161,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     try:
         for path, m in model.named_modules():
             hooks.append(m.register_forward_hook(leave(path)))
+            hooks.append(m.register_forward_pre_hook(enter(path), with_kwargs=True))
         if train:
             model.train()
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -153,6 +181,10 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
                    else contextlib.nullcontext())
             with counter, Ops(), Kernels(), amp:
                 torch.func.functional_call(model, state, args)
+            mutated = {"arguments": {path for path, seen in called
+                                     if any(t._version != v for t, v in seen)},
+                       "compute_outputs": {path for path, o, v in computed
+                                           if o._version != v}}
     finally:
         for h in hooks:
             h.remove()
@@ -167,4 +199,4 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
         path = "" if name == root else name[len(root) + 1:] if name.startswith(root + ".") else None
         if path is not None:
             flops[path] = float(sum(per_op.values()))
-    return flops, outputs, names
+    return flops, outputs, names, mutated

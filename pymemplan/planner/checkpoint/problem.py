@@ -185,7 +185,9 @@ def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held):
 def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed | None = None,
                   min_fraction: float = 1e-3, callable_modules: set | None = None,
                   modules=None, policies=(FULL, SAVE_COMPUTE), sequential_modules=None,
-                  max_segments: int = 600, outputs: dict | None = None) -> CheckpointProblem:
+                  max_segments: int = 600, outputs: dict | None = None,
+                  mutated_inputs: set | None = None,
+                  mutated_compute: set | None = None) -> CheckpointProblem:
     """Candidates, deltas and costs from a traced training step.
 
     ``flops``: forward FLOPs per module path (``cost.module_flops``); without them the
@@ -206,7 +208,13 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     Sequential. ``outputs``: module path -> ``(alloc op, bytes)`` of the storages its
     forward returned (``cost.forward_facts``, checked to line up with the trace); those
     are kept when it is checkpointed. Without them a unit's output is taken to be what
-    its last allocating op made, which in-place tails (``out += x; relu_(out)``) defeat."""
+    its last allocating op made, which in-place tails (``out += x; relu_(out)``) defeat.
+    ``mutated_inputs``: module paths whose arguments are changed in place after the call
+    (``cost.forward_facts``); they are no candidates, nor are runs of a Sequential that
+    start with one (checkpoint keeps the arguments, and autograd refuses them changed).
+    ``mutated_compute``: module paths in which a compute-bound op's output is changed in
+    place later; a unit containing one has no ``save-compute`` variant (selective
+    checkpointing caches that output, and refuses it changed)."""
     import fnmatch
     speed = speed or DeviceSpeed()
     if BACKWARD not in g.phase_starts:
@@ -262,6 +270,10 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         elif path not in own_ops and all(c.isdigit() for c in children.get(path, {"x"})):
             skipped[path] = "it may be a ModuleList, which cannot be called (plan with the model to tell)"
             continue
+        if mutated_inputs is not None and path in mutated_inputs:
+            skipped[path] = ("an argument of it is changed in place after the call (an "
+                             "inplace=True activation?): checkpoint could not recompute it")
+            continue
         if f1 - f0 + 1 != len(idx):
             # Called more than once, or interleaved with other code: one checkpoint per
             # call would be needed, which the per-op model here does not describe.
@@ -285,6 +297,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         for i in range(k):
             for j in range(i + 1, min(k, i + max_len)):
                 run = kids[i:j + 1]
+                if mutated_inputs is not None and run[0] in mutated_inputs:
+                    continue  # its input is the first child's, changed in place
                 f0, f1 = fwd[run[0]][0], fwd[run[-1]][-1]
                 if f1 - f0 + 1 != sum(len(fwd[c]) for c in run):
                     continue  # the parent's own code runs in between: not a plain Sequential
@@ -317,8 +331,15 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         # checkpointing) keep the outputs of its compute-bound ops and recompute the rest.
         heavy = [t for t in dropped if is_compute_bound(t.op)]
         variants = [(FULL, dropped)] if FULL in policies else []
+        cached_changed = bool(mutated_compute) and any(
+            g.ops[i].module in mutated_compute for i in range(f0, f1 + 1))
         if SAVE_COMPUTE in policies and heavy and len(heavy) < len(dropped):
-            variants.append((SAVE_COMPUTE, [t for t in dropped if not is_compute_bound(t.op)]))
+            if cached_changed:
+                skipped.setdefault(path, "save-compute: an output it would cache is changed "
+                                         "in place later")
+            else:
+                variants.append((SAVE_COMPUTE,
+                                 [t for t in dropped if not is_compute_bound(t.op)]))
         for policy, drop in variants:
             saved = sum(t.size for t in drop)
             if saved < min_fraction * total_act:
