@@ -210,6 +210,40 @@ def test_cli_errors_are_one_line(capsys):
     assert main(["plan", "mlp", "--world-size", "0"]) == 2
 
 
+_FACTORY = '''
+import torch
+from torch import nn
+
+
+def build({arg}):
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    x, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
+    return model, (x,), (lambda out: nn.functional.cross_entropy(out, y))
+'''
+
+
+def test_cli_factory_losses_are_built_per_batch(tmp_path, capsys):
+    # The loss closes over targets of the factory's batch: rows at other batch sizes get
+    # the factory's inputs and loss for theirs, or, if it takes no batch=, a hint.
+    from pymemplan.cli import main
+
+    takes = tmp_path / "takes.py"
+    takes.write_text(_FACTORY.format(arg="batch=32"))
+    rc = main(["plan", f"{takes}:build", "--capacity", "2MiB", "--device", "cpu",
+               "--no-probe", "--techniques", "batch,accumulation", "--target-batch", "64",
+               "--json"])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
+    assert {r["technique"] for r in doc["rows"]} >= {"batch", "accumulation"}
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(_FACTORY.format(arg="").replace("randn(batch", "randn(32").replace(
+        "(batch,)", "(32,)"))
+    assert main(["plan", f"{fixed}:build", "--capacity", "2MiB", "--device", "cpu",
+                 "--no-probe", "--techniques", "batch", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "batch= parameter" in err and "--techniques precision,checkpoint" in err
+
+
 def test_sharding_rows_are_per_rank_traces(net):
     a = _advise(net, "1GiB", world_size=2, techniques=("sharding",))
     rows = {r.config.sharding: r for r in a.rows_for("sharding")}

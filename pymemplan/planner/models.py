@@ -20,6 +20,7 @@ class Workload:
     inputs: tuple
     loss_fn: Callable | None
     description: str = ""
+    takes_batch: bool = False  # a file factory given batch= (it can build another batch)
 
 
 def _class_loss(out):
@@ -176,4 +177,5 @@ def load_workload(spec: str, *, batch: int | None = None, seq_len: int | None = 
         raise ValueError(f"{spec} must return (model, inputs) or (model, inputs, loss_fn), "
                          f"got {type(out).__name__}")
     model, inputs, *rest = out
-    return Workload(fname, model, inputs, rest[0] if rest else None, f"{path}:{fname}")
+    return Workload(fname, model, inputs, rest[0] if rest else None, f"{path}:{fname}",
+                    takes_batch=accepts_all or "batch" in params)

@@ -267,7 +267,7 @@ def checkpoint_key(plan) -> tuple:
 class _Advisor:
     def __init__(self, model, inputs, *, capacity: int, optimizer, loss_fn, device: str,
                  policy: str | None, make_inputs, world_size: int, trace_kwargs: dict,
-                 progress: Callable | None):
+                 progress: Callable | None, make_loss_fn: Callable | None = None):
         self.model = model
         self.inputs = inputs if isinstance(inputs, tuple) else (
             tuple(inputs) if isinstance(inputs, list) else (inputs,))
@@ -277,6 +277,7 @@ class _Advisor:
         self.device = device
         self.policy = policy
         self.make_inputs = make_inputs
+        self.make_loss_fn = make_loss_fn
         self.world_size = world_size
         self.trace_kwargs = trace_kwargs
         self.progress = progress
@@ -302,6 +303,9 @@ class _Advisor:
                 "make_inputs=lambda batch: (...) that builds the inputs for a batch size")
         return inputs_at_batch(self.inputs, self.batch0, batch)
 
+    def loss_for(self, batch: int):
+        return self.loss_fn if self.make_loss_fn is None else self.make_loss_fn(batch)
+
     def optimizer_for(self, cfg: Config):
         if cfg.optimizer is None:
             return self.optimizer
@@ -325,7 +329,7 @@ class _Advisor:
             from .sharding import trace_sharded
 
             t = trace_sharded(self.model, self.inputs_for(cfg.batch), strategy=cfg.sharding,
-                              world_size=self.world_size, loss_fn=self.loss_fn,
+                              world_size=self.world_size, loss_fn=self.loss_for(cfg.batch),
                               optimizer=self.optimizer_for(cfg), device=self.device,
                               autocast=autocast, **kwargs)
         else:
@@ -340,7 +344,7 @@ class _Advisor:
                 if cfg.checkpoint:
                     apply(self.model, dict(cfg.checkpoint))
                     stack.callback(remove, self.model)
-                t = trace_step(self.model, self.inputs_for(cfg.batch), loss_fn=self.loss_fn,
+                t = trace_step(self.model, self.inputs_for(cfg.batch), loss_fn=self.loss_for(cfg.batch),
                                optimizer=self.optimizer_for(cfg), device=self.device,
                                autocast=autocast, grads_present=cfg.accumulation > 1, **kwargs)
         if cfg.weights is not None:
@@ -590,6 +594,7 @@ def combined_code(cfg: Config, base: Config, capacity: int, world_size: int, mod
 def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int | None = None,
            world_size: int = 1, device: str = "cuda", loss_fn=None, policy: str = "torch",
            techniques=None, make_inputs: Callable | None = None,
+           make_loss_fn: Callable | None = None,
            progress: Callable | None = None, **trace_kwargs) -> Advice:
     """Quantify, on this model, every memory technique: each row is a traced configuration.
 
@@ -603,6 +608,8 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
     - ``world_size``: GPUs to shard over (DDP, ZeRO-1/2/3, FSDP rows) when above 1.
     - ``techniques``: a subset of ``TECHNIQUES`` (default all).
     - ``make_inputs``: ``batch -> inputs``, when the batch size is not dim 0 of the inputs.
+    - ``make_loss_fn``: ``batch -> loss_fn``, when the loss depends on the batch size (a
+      closure over targets of that size); without it ``loss_fn`` serves every batch.
     - other keyword arguments go to :func:`pymemplan.trace` (``autocast`` excepted).
     """
     import torch
@@ -635,7 +642,8 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
         policy = None
     adv = _Advisor(model, inputs, capacity=cap, optimizer=optimizer, loss_fn=loss_fn,
                    device=device, policy=policy, make_inputs=make_inputs,
-                   world_size=world_size, trace_kwargs=trace_kwargs, progress=progress)
+                   world_size=world_size, trace_kwargs=trace_kwargs, progress=progress,
+                   make_loss_fn=make_loss_fn)
     if adv.batch0 is None:
         chosen = tuple(x for x in chosen if x not in ("batch", "accumulation"))
     adv.chosen = chosen

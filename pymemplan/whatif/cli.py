@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         from ..planner.cli import _optimizer
         from ..planner.errors import PlannerError
         from ..planner.models import DEFAULT_MODEL, load_workload
-        from .advise import advise
+        from .advise import TECHNIQUES, advise
     except ImportError as e:
         print(f"pymemplan plan: needs PyTorch ({e}); pip install torch", file=sys.stderr)
         return 2
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or DEFAULT_MODEL
     batch = args.batch if args.batch is not None or args.model else DEFAULT_BATCH
     techniques = [x.strip() for x in args.techniques.split(",") if x.strip()]
+    w = None
     try:
         with err.status(f"building {model} on the meta device ...", spinner="dots") as status:
             try:
@@ -107,13 +108,37 @@ def run(args: argparse.Namespace) -> int:
             except ImportError as e:
                 raise ValueError(f"the example {model!r} needs {e.name or e}: "
                                  f"pip install 'pymemplan[bench]' (torchvision, transformers)")
+            per_batch = {}
+            make_inputs = make_loss_fn = None
+            if w.takes_batch and w.loss_fn is not None:
+                # The factory's loss may close over targets of its batch size: rows at
+                # other batch sizes take the inputs and loss it builds for theirs.
+                def built(b):
+                    if b not in per_batch:
+                        wb = load_workload(model, batch=b, seq_len=args.seq_len)
+                        per_batch[b] = (wb.inputs, wb.loss_fn)
+                    return per_batch[b]
+
+                def make_inputs(b):
+                    return built(b)[0]
+
+                def make_loss_fn(b):
+                    return built(b)[1]
             a = advise(w.model, w.inputs, loss_fn=w.loss_fn, capacity=args.capacity,
+                       make_inputs=make_inputs, make_loss_fn=make_loss_fn,
                        optimizer=_optimizer(args.optimizer), target_batch=args.target_batch,
                        world_size=args.world_size, device=args.device, policy=args.policy,
                        techniques=techniques, progress=lambda what: status.update(what + " ..."),
                        **({"probe_kernels": False} if args.no_probe else {}))
     except (PlannerError, ValueError, OSError) as e:
-        print(f"pymemplan plan: {e}", file=sys.stderr)
+        hint = ""
+        if (isinstance(e, PlannerError) and w is not None and w.loss_fn is not None
+                and w.description.endswith(".py:" + w.name) and not w.takes_batch):
+            hint = (f"\n(the rows that change the batch size trace {w.name}'s loss on inputs "
+                    f"of another size: give {w.name}() a batch= parameter, so that it builds "
+                    f"inputs and loss for each, or leave those rows out: --techniques "
+                    f"{','.join(x for x in TECHNIQUES if x not in ('batch', 'accumulation'))})")
+        print(f"pymemplan plan: {e}{hint}", file=sys.stderr)
         return 2
     chosen = a.best or a.baseline
     if args.plot:
