@@ -190,10 +190,12 @@ def test_packing_never_overlaps_in_time_and_space(blocks):
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 49), st.integers(1, 50), st.integers(1, 16)),
                 min_size=1, max_size=40),
-       st.lists(st.integers(1, 24), min_size=0, max_size=5))
-def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks, holes):
-    period = 50
-    start, life = [b[0] for b in blocks], [b[1] for b in blocks]
+       st.lists(st.integers(1, 24), min_size=0, max_size=5), st.sampled_from([50, 997]))
+def test_hole_filling_never_overlaps_and_leaves_out_only_what_cannot_fit(blocks, holes, period):
+    # 997 steps: the packer's time index puts several steps in one bucket, and lifetimes
+    # that wrap around the circle span the last bucket and the first.
+    start = [b[0] * period // 50 for b in blocks]
+    life = [max(1, b[1] * period // 50) for b in blocks]
     size = [b[2] * 512 for b in blocks]
     hole_sizes = [h * 512 for h in holes]
 

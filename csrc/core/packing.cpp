@@ -302,14 +302,68 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
 
 namespace {
 
+// The blocks placed in one hole, by the stretches of time (buckets) their lifetimes cover: the
+// blocks whose lifetimes may overlap a block's are those in its buckets, so a query looks at
+// the blocks near it in time, not at all of them (plans of tens of thousands of blocks made
+// hole filling quadratic). Only the work depends on the bucket count, not the result.
+class PlacedIndex {
+ public:
+  PlacedIndex(std::size_t period, std::size_t blocks)
+      : period_(std::max<std::size_t>(period, 1)),
+        width_((period_ + kBuckets - 1) / kBuckets),
+        buckets_((period_ + width_ - 1) / width_),
+        seen_(blocks, 0) {}
+
+  void add(std::size_t j, const PackBlock& b) {
+    for_each_bucket(b, [&](std::size_t k) { buckets_[k].push_back(j); });
+  }
+  // The blocks whose lifetimes cover time `t`, and others near it, in the order added.
+  const std::vector<std::size_t>& around(std::size_t t) const { return buckets_[(t % period_) / width_]; }
+  // The blocks sharing a bucket with `b`, each once.
+  const std::vector<std::size_t>& near(const PackBlock& b) {
+    ++stamp_;
+    out_.clear();
+    for_each_bucket(b, [&](std::size_t k) {
+      for (std::size_t j : buckets_[k]) {
+        if (seen_[j] != stamp_) {
+          seen_[j] = stamp_;
+          out_.push_back(j);
+        }
+      }
+    });
+    return out_;
+  }
+
+ private:
+  static constexpr std::size_t kBuckets = 256;
+  template <class F>
+  void for_each_bucket(const PackBlock& b, F f) const {
+    if (b.life >= period_) {
+      for (std::size_t k = 0; k < buckets_.size(); ++k) f(k);
+      return;
+    }
+    const std::size_t first = b.start / width_;
+    const std::size_t last = ((b.start + b.life - 1) % period_) / width_;
+    for (std::size_t k = first;; k = (k + 1) % buckets_.size()) {
+      f(k);
+      if (k == last) break;
+    }
+  }
+  std::size_t period_, width_;
+  std::vector<std::vector<std::size_t>> buckets_;
+  std::vector<std::uint32_t> seen_;
+  std::uint32_t stamp_ = 0;
+  std::vector<std::size_t> out_;
+};
+
 // The lowest offset of hole `h` where `b` fits under `capacity`, clear of the blocks already
-// there whose lifetimes overlap its own; kNone if there is none.
+// there (`placed`) whose lifetimes overlap its own; kNone if there is none.
 std::size_t lowest_fit(const std::vector<PackBlock>& blocks, std::size_t period, const PackBlock& b,
-                       const std::vector<std::size_t>& in_hole, const std::vector<std::size_t>& offset,
+                       PlacedIndex& placed, const std::vector<std::size_t>& offset,
                        std::size_t capacity, std::vector<std::pair<std::size_t, std::size_t>>& taken) {
   if (b.size > capacity) return kNone;
   taken.clear();
-  for (std::size_t j : in_hole) {
+  for (std::size_t j : placed.near(b)) {
     if (lifetimes_overlap(b, blocks[j], period)) taken.emplace_back(offset[j], offset[j] + blocks[j].size);
   }
   std::sort(taken.begin(), taken.end());
@@ -378,24 +432,28 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
   std::iota(by_size.begin(), by_size.end(), std::size_t{0});
   std::stable_sort(by_size.begin(), by_size.end(),
                    [&](std::size_t a, std::size_t b) { return blocks[a].size > blocks[b].size; });
+  PlacedIndex by_time(period, blocks.size());  // every block, largest first in each bucket
+  for (std::size_t i : by_size) by_time.add(i, blocks[i]);
   std::vector<std::pair<std::size_t, std::size_t>> taken;
   for (std::size_t h : holes) {
     const long long before = live.max();
     std::vector<std::size_t> moved;
+    PlacedIndex here(period, blocks.size());
     std::size_t top = 0;
     for (;;) {
       const std::size_t t = live.argmax();
       bool placed = false;
-      for (std::size_t i : by_size) {
+      for (std::size_t i : by_time.around(t)) {
         if (r.hole[i] != HoleFill::kNone || blocks[i].size == 0 || blocks[i].size > hole_sizes[h] ||
             !alive_at(blocks[i], t)) {
           continue;
         }
-        const std::size_t at = lowest_fit(blocks, period, blocks[i], moved, r.offset, hole_sizes[h], taken);
+        const std::size_t at = lowest_fit(blocks, period, blocks[i], here, r.offset, hole_sizes[h], taken);
         if (at == kNone) continue;
         r.hole[i] = h;
         r.offset[i] = at;
         moved.push_back(i);
+        here.add(i, blocks[i]);
         top = std::max(top, at + blocks[i].size);
         add(blocks[i], -1);
         placed = true;
@@ -533,7 +591,7 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
   std::iota(holes.begin(), holes.end(), std::size_t{0});
   std::stable_sort(holes.begin(), holes.end(),
                    [&](std::size_t a, std::size_t b) { return hole_sizes[a] < hole_sizes[b]; });
-  std::vector<std::vector<std::size_t>> in_hole(hole_sizes.size());
+  std::vector<PlacedIndex> in_hole(hole_sizes.size(), PlacedIndex(period, blocks.size()));
   std::vector<std::pair<std::size_t, std::size_t>> taken;  // (offset, end) of conflicting blocks
   for (std::size_t i : order) {
     const PackBlock& b = blocks[i];
@@ -543,7 +601,7 @@ HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
       r.hole[i] = h;
       r.offset[i] = at;
       r.placed_bytes += b.size;
-      in_hole[h].push_back(i);
+      in_hole[h].add(i, b);
       break;
     }
   }

@@ -522,7 +522,21 @@ std::vector<PackBlock> PlannedAllocator::variant_blocks(const Plan& p, int v,
   return blocks;
 }
 
-bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
+std::uint64_t PlannedAllocator::holes_key(const Ranges& holes) const {
+  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a over the words
+  auto mix = [&](std::uint64_t x) {
+    h ^= x;
+    h *= 1099511628211ULL;
+  };
+  for (const auto& [addr, size] : holes) {
+    mix(addr);
+    mix(size);
+  }
+  mix(holes.empty() ? 0 : pool_->unkept_bytes(holes));
+  return h;
+}
+
+bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& holes) {
   // Offsets are computed only for a plan that arms: detection builds many plans (of repeated
   // layers, of iterations seen once) that never do. Variant 1 leaves out the first kPrefix
   // slots: it serves a pass whose first requests the pool served already (the plan was
@@ -536,8 +550,6 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::size_t> slot_of;
   const std::vector<PackBlock> all = variant_blocks(p, v, &slot_of);
-  const auto holes = config_.holes != 0 ? pool_->page_holes()
-                                         : std::vector<std::pair<std::uintptr_t, std::size_t>>{};
   std::vector<std::size_t> hole_sizes;
   for (const auto& h : holes) hole_sizes.push_back(h.second);
   struct Candidate {
@@ -593,6 +605,7 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up) {
   }
   for (std::size_t k = 0; k < c.arena_slot.size(); ++k) p.slots[c.arena_slot[k]].offset[v] = c.packed.offsets[k];
   p.holes[v] = c.fill.placed_bytes != 0;
+  p.holes_key[v] = p.holes[v] ? holes_key(holes) : 0;
   // The part of each hole the plan uses is claimed from the pool when the plan arms.
   std::vector<std::size_t> top(holes.size(), 0);
   for (std::size_t k = 0; k < all.size(); ++k) {
@@ -653,16 +666,18 @@ bool PlannedAllocator::arm(int v) {
     return false;
   };
   // Not even with a perfect packing, holes of the pool filled to the last byte.
+  const Ranges holes = config_.holes != 0 ? pool_->page_holes() : Ranges{};
   std::size_t hole_bytes = 0;
-  if (config_.holes != 0) {
-    for (const auto& h : pool_->page_holes()) hole_bytes += h.second;
-  }
+  for (const auto& h : holes) hole_bytes += h.second;
   if (held + (at_least > hole_bytes ? round_up(at_least - hole_bytes, page()) : 0) > limit) {
     return refuse();
   }
   // The packer gives up on a run as soon as it needs more than the limit leaves. Holes are
-  // those of now: a plan that used some is packed again.
-  if ((!p.packed[v] || p.holes[v]) && !pack(p, v, (limit - held) / page() * page())) return refuse();
+  // those of now: a plan that used some is packed again, unless they are the holes it was
+  // packed with (each arming of an iteration's plan, in steady state): packing them again
+  // gave the same layout, at a cost that grew with the pool's fragments.
+  const bool repack = !p.packed[v] || (p.holes[v] && holes_key(holes) != p.holes_key[v]);
+  if (repack && !pack(p, v, (limit - held) / page() * page(), holes)) return refuse();
   const std::size_t need = round_up(p.arena[v], page());
   const std::size_t footprint = held + need + p.hole_cost[v];
   last_footprint_ = footprint;

@@ -217,6 +217,7 @@ class PlannedAllocator : public Allocator {
     // plan matches.
     bool passed_over = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
+    std::uint64_t holes_key[2] = {0, 0};    // per variant: holes_key() of its last packing
   };
   struct Live {
     std::uint64_t id = 0;     // allocation ordinal
@@ -234,7 +235,11 @@ class PlannedAllocator : public Allocator {
   // Not serving from the active plan any more (armed_ false), its holes released.
   void stop_serving();
   // Packs a variant; false (nothing set) if no packing fits in give_up bytes.
-  bool pack(Plan& p, int variant, std::size_t give_up);
+  using Ranges = std::vector<std::pair<std::uintptr_t, std::size_t>>;
+  bool pack(Plan& p, int variant, std::size_t give_up, const Ranges& holes);
+  // What a packing with holes depends on: the holes (address, size) and the pages using them
+  // would add. Equal keys: the plan's last packing is still what pack() would compute.
+  std::uint64_t holes_key(const Ranges& holes) const;
   // The blocks a packing variant places (and the slot of each).
   std::vector<PackBlock> variant_blocks(const Plan& p, int variant,
                                         std::vector<std::size_t>* slot_of) const;
