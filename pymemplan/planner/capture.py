@@ -198,8 +198,13 @@ class _Recorder:
         on_host = bool(in_keys) and all(k in self.host for k in in_keys)
         used = []
         new_bytes = 0
-        outs = []  # per tensor output: (tensor id, bytes) if this op made it, else None
-        for o in pytree.tree_leaves(out):
+        # Per tensor output (None outputs included, as the probe sees the real ones):
+        # (tensor id, bytes) if this op made it, else None.
+        outs = []
+        for o in pytree.tree_leaves(out, is_leaf=lambda x: x is None):
+            if o is None:
+                outs.append(None)
+                continue
             if not isinstance(o, torch.Tensor):
                 continue
             if not is_fake(o):
