@@ -38,9 +38,11 @@ step is predicted to fit the budget. Two kinds of plan compete:
   recompute a random op or one that reads an input the step mutates are dropped.
 
 Each candidate plan is partitioned for real on a copy of the joint graph and its
-compiled peak predicted from the eager timeline, with the eager activations replaced by
-what the compiled forward saves and, for op-level and PyTorch's plans, the values
-backward recomputes and materialises added (:func:`predict_compiled_peak`). All kinds
+compiled peak predicted by walking its forward and backward graphs as Inductor runs them
+(``compiled_memory.py``: buffers per kernel, fusion, reordering, in-place reuse, layout
+copies, extern kernels' scratch), with what the eager step holds before the forward and
+around the loss (``predictor="eager"``, or when the walk fails: on the eager timeline,
+:func:`predict_compiled_peak`). All kinds
 are priced the same way for the comparison: by the ops their partition recomputes
 beyond the unplanned one, on the joint graph, with the op-level cost model. The
 cheapest plan predicted to fit is taken (costs within ``COST_TIE`` of the forward: the
@@ -493,9 +495,16 @@ class CompileBackend:
     def __init__(self, plan, compiler: str = "inductor", adapt: bool = True,
                  search_steps: int = 4, unplanned_peak_bytes: int | None = None,
                  op_level: bool = True, op_time_limit: float = 10.0,
-                 torch_budgets=TORCH_BUDGETS):
+                 torch_budgets=TORCH_BUDGETS, predictor: str = "graphs"):
         if compiler not in ("aot_eager", "inductor"):
             raise PlannerError(f"compiler={compiler!r}: use 'aot_eager' or 'inductor'")
+        if predictor not in ("graphs", "eager"):
+            raise PlannerError(f"predictor={predictor!r}: use 'graphs' or 'eager'")
+        # How a candidate's compiled peak is predicted: walked on its partitioned graphs
+        # (compiled_memory.py), or on the eager step's timeline (EagerAxis: the earlier
+        # model, and the fallback when the walk fails: graph_prediction_error says why).
+        self.predictor = predictor
+        self.graph_prediction_error = None
         self.plan = plan
         self.compiler = compiler
         self.adapt = adapt and getattr(plan, "problem", None) is not None
@@ -564,9 +573,8 @@ class CompileBackend:
         - once :meth:`least_compiled_peak` has run, the least-peak candidates it made.
 
         Each candidate plan is partitioned for real on a copy of the joint graph, and its
-        compiled peak predicted from the eager timeline with the eager activations (what
-        the model's forward leaves for backward) replaced by what the compiled forward
-        saves, op by op (:func:`predict_compiled_peak`). Of the plans predicted to fit,
+        compiled peak predicted by walking the partitioned graphs
+        (:meth:`_predict_graphs`). Of the plans predicted to fit,
         the one with the least estimated recompute cost (both priced by the same
         roofline, for the compiled step) is chosen; if none fits, the one with the lowest
         predicted peak."""
@@ -647,21 +655,25 @@ class CompileBackend:
             tag_graph(trial.graph, pl.policies, self._order())
             x = pl.choice
         fw, bw = _partition_as(pl, ctx["partitioner"], trial, ctx["joint_inputs"], kwargs)
-        saved = _saved_storages(fw, kwargs.get("num_fwd_outputs", 0))
-        transients = ()
         op_p = self.op_problem
         if op_p is not None:
             again = {n.name for n in bw.graph.nodes if n.op == "call_function"}
             self._cost[id(pl)] = float(sum(op_p.cost[k] for k, nm in enumerate(op_p.names)
                                            if nm in again))
-            if isinstance(pl, (OpPlan, TorchBudgetPlan)):  # module-level plans carry
-                # their eager transient
+        peak = None
+        if self.predictor == "graphs":
+            try:
+                peak = self._predict_graphs(ctx, fw, bw)
+            except Exception as e:  # a graph the walk does not describe: the eager axis
+                self.graph_prediction_error = f"{type(e).__name__}: {e}"
+        if peak is None:
+            saved = _saved_storages(fw, kwargs.get("num_fwd_outputs", 0))
+            transients = ()
+            if op_p is not None and isinstance(pl, (OpPlan, TorchBudgetPlan)):
+                # module-level plans carry their eager transient
                 transients = _recompute_transients(bw, again & set(op_p.names)
                                                    - op_p.baseline_recomputed)
-        peak = predict_compiled_peak(ctx["p"], x, saved, ctx["modules"], transients)
-        # The spans of recomputed values are estimates (Inductor schedules the backward
-        # kernels and their buffers itself); no allowance is added for them: with none, the
-        # op-level predictions measured exact (resnet50, 5 of 5 budgets, to 0.1 MiB).
+            peak = predict_compiled_peak(ctx["p"], x, saved, ctx["modules"], transients)
         peak += self.calibration_bytes
         frac = (self._cost[id(pl)] / op_p.forward_seconds if op_p is not None
                 and op_p.forward_seconds else pl.recompute_cost["fraction_of_forward"])
@@ -669,6 +681,17 @@ class CompileBackend:
         self.trials.append((pl.budget_bytes if kind == "module-level" else kind,
                             frac, int(peak)))
         return (peak, fw, bw) if keep else peak
+
+    def _predict_graphs(self, ctx, fw, bw) -> int:
+        """The compiled peak walked on the partitioned graphs (``compiled_memory.py``),
+        with the eager step's frame (what is live before the forward, and the loss
+        between forward and backward), made once per joint graph."""
+        from .compiled_memory import EagerFrame, predict_step
+
+        if "frame" not in ctx:
+            ctx["frame"] = EagerFrame(ctx["p"].graph)
+        return int(predict_step(fw, bw, ctx["frame"],
+                                inductor=self.compiler == "inductor")["peak"])
 
     def _choose_modules(self, ctx, plan, budget, hi, pred_none):
         """The cheapest module-level plan predicted to fit (bisection over the eager
@@ -706,7 +729,11 @@ class CompileBackend:
             mid = (lo + hi) // 2
             if mid <= lo:
                 break
-            pl = make_plan(p, mid)
+            try:
+                pl = make_plan(p, mid)
+            except BudgetTooSmallError:  # below the least eager peak: no other plan
+                lo = mid
+                continue
             if not np.array_equal(pl.choice, best.choice):
                 pk = self._predict(ctx, pl)
                 if pk > budget:
@@ -1023,7 +1050,8 @@ class CompileBackend:
 def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
                     compiler: str = "inductor", adapt: bool = True,
                     unplanned_peak_bytes: int | None = None, op_level: bool = True,
-                    torch_budgets=TORCH_BUDGETS, **plan_kwargs) -> CompileBackend:
+                    torch_budgets=TORCH_BUDGETS, predictor: str = "graphs",
+                    **plan_kwargs) -> CompileBackend:
     """A backend for ``torch.compile(model, backend=...)`` that checkpoints as planned.
 
     Give either ``plan`` (from ``pymemplan.plan`` / ``MemoryTrace.plan``), or ``budget``
@@ -1044,7 +1072,9 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
     (``backend.chosen``), followed as it is on the same model's graph.
     ``torch_budgets``: the ``activation_memory_budget`` values under which PyTorch's own
     partitioner makes candidate partitions (:class:`TorchBudgetPlan`) that compete with
-    ours when adapting; ``()`` for none."""
+    ours when adapting; ``()`` for none. ``predictor``: how candidates' compiled peaks
+    are predicted: "graphs" (walked on their partitioned graphs, ``compiled_memory.py``)
+    or "eager" (on the eager step's timeline, the earlier model)."""
     if plan is None:
         if budget is None or model is None or inputs is None:
             raise PlannerError(
@@ -1056,4 +1086,5 @@ def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
 
         plan = make(model, inputs, budget, **plan_kwargs)
     return CompileBackend(plan, compiler, adapt, unplanned_peak_bytes=unplanned_peak_bytes,
-                          op_level=op_level, torch_budgets=torch_budgets)
+                          op_level=op_level, torch_budgets=torch_budgets,
+                          predictor=predictor)
