@@ -258,7 +258,7 @@ def plan_figures(trace):
     keys = ("plan_hits", "hole_hits", "fallbacks", "slot_busy", "divergences", "plans_built", "arms",
             "plan_hole_bytes", "plan_hole_cost_bytes",
             "arm_refusals", "refinements", "plan_bound_bytes", "plan_arena_bytes", "plan_ratio",
-            "pack_seconds")
+            "pack_seconds", "shared_page_bytes")
     return {k: v for k, v in alloc.plan_stats().items() if k in keys}
 
 
@@ -380,15 +380,17 @@ def main() -> int:
                 + [f"{by[(n, p)]['ns_per_event']:.0f}" for p in cap]))
     if "pymemplan-planned" in policies:
         print("\npymemplan-planned: requests served from a plan (in holes of the pool among "
-              "them) and by the pool, packing of the last plan (arena / bound of what went to "
-              "the arena), one-off planning time, serving cost:\n")
+              "them) and by the pool, pages given back by sharing (share_pages), packing of the "
+              "last plan (arena / bound of what went to the arena), one-off planning time, "
+              "serving cost:\n")
         print(table(["trace", "plan hits", "in holes", "fallbacks", "plans made", "armed",
-                     "arena/bound", "planning ms", "ns/event serving"],
+                     "pages shared", "arena/bound", "planning ms", "ns/event serving"],
                     lambda n: [n, f"{by[(n, 'pymemplan-planned')]['plan']['plan_hits']:,.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['hole_hits']:,.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['fallbacks']:,.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['plans_built']:.0f}",
                                f"{by[(n, 'pymemplan-planned')]['plan']['arms']:.0f}",
+                               f"{by[(n, 'pymemplan-planned')]['plan']['shared_page_bytes'] / 2**20:.0f} MiB",
                                ratio(by[(n, 'pymemplan-planned')]['plan']['plan_ratio'] or None),
                                f"{by[(n, 'pymemplan-planned')]['planning_seconds'] * 1e3:.1f}",
                                f"{by[(n, 'pymemplan-planned')]['ns_per_event_serving']:.0f}"]))

@@ -51,7 +51,9 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
         held = seg["mapped_size"] if seg.get("is_expandable") else seg["total_size"]
         if seg.get("is_expandable"):
             page = seg["page_size"]
-            assert sum(seg["page_mapped"]) * page == seg["mapped_size"]
+            # An aliased page maps a physical page another address holds (share_pages).
+            assert all(m for m, a in zip(seg["page_mapped"], seg["page_aliased"]) if a)
+            assert (sum(seg["page_mapped"]) - sum(seg["page_aliased"])) * page == seg["mapped_size"]
             for b in seg["blocks"]:
                 if b["state"] == "inactive":
                     continue
@@ -77,12 +79,31 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
     virtual = [s for s in segments if s.get("is_expandable")]
     classic = [s for s in segments if not s.get("is_expandable")]
     mapped_pages = sum(sum(s["page_mapped"]) for s in virtual)
+    held_pages = mapped_pages - sum(sum(s["page_aliased"]) for s in virtual)
     assert device.live_segments == len(classic)
     assert device.live_reservations == len(virtual)
-    assert device.mapped_pages == device.live_pages == mapped_pages, "a page leaked or is unmapped"
+    assert device.mapped_pages == mapped_pages, "a page is mapped that no segment knows of"
+    assert device.live_pages == held_pages, "a page leaked"
     # The device holds exactly the segments (each rounded up to its granularity) and pages.
     g = device.granularity
-    footprint = sum(-(-x["total_size"] // g) * g for x in classic) + mapped_pages * g
+    footprint = sum(-(-x["total_size"] // g) * g for x in classic) + held_pages * g
     assert device.used == footprint, (device.used, footprint)
     assert reserved <= footprint
-    assert stats["num_device_alloc"] - stats["num_device_free"] == len(classic) + mapped_pages
+    assert stats["num_device_alloc"] - stats["num_device_free"] == len(classic) + held_pages
+    # Blocks in use never share physical memory, even where two addresses map one page.
+    pieces = []
+    for seg in virtual:
+        page = seg["page_size"]
+        for b in seg["blocks"]:
+            if b["state"] == "inactive":
+                continue
+            at, end = b["address"], b["address"] + b["size"]
+            while at < end:
+                phys, off = device.translate(at)
+                assert phys != 0, "a block in use lies on an unmapped page"
+                n = min(page - off, end - at)
+                pieces.append((phys, off, off + n))
+                at += n
+    pieces.sort()
+    for (p0, _, hi0), (p1, lo1, _) in zip(pieces, pieces[1:]):
+        assert p0 != p1 or lo1 >= hi0, "two blocks in use share physical memory"

@@ -1,4 +1,4 @@
-"""Property-based tests: random alloc/free/record_stream/empty_cache sequences, every policy,
+"""Property-based tests: random alloc/free/record_stream/share_pages/empty_cache sequences, every policy,
 invariants checked after every step; stream safety checked against an independent model."""
 
 from __future__ import annotations
@@ -132,6 +132,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(stream=st.one_of(st.none(), STREAMS))
     def complete_events(self, stream):
         self.device.complete_events(stream)
+
+    @rule()
+    def share_pages(self):
+        """Pages partly used at disjoint offsets mapped onto one (vmm policies; 0 elsewhere)."""
+        before = self.device.live_pages
+        given = self.alloc.share_pages()
+        assert given % (2 * MiB) == 0 and self.device.live_pages == before - given // (2 * MiB)
+        if not self.alloc.config or "vmm:True" not in self.alloc.config:
+            assert given == 0
 
     @rule()
     def empty_cache(self):

@@ -89,3 +89,36 @@ def test_record_stream_keeps_memory_until_the_other_stream_is_done():
         y = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
         assert y.data_ptr() != ptr, "memory reused while another stream may use it"
     """)
+
+
+def test_share_pages_keeps_tensor_contents_under_queued_work():
+    """share_pages on real memory: half-page tensors at alternating halves of pages, one of
+    them still being written by a kernel queued on a side stream; after sharing, every tensor
+    holds what was written, and kernels on both addresses of a shared page see their own."""
+    run("""
+        import pymemplan, torch
+        pymemplan.enable(policy="pymemplan-vmm")
+        MiB = 1 << 20
+        blocks = [torch.empty(MiB, dtype=torch.uint8, device="cuda") for _ in range(8)]
+        base = blocks[0].data_ptr()
+        assert [b.data_ptr() - base for b in blocks] == [i * MiB for i in range(8)]
+        kept = [blocks[2 * p + (p % 2)] for p in range(4)]
+        del blocks
+        for i, t in enumerate(kept):
+            t.fill_(17 + i)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)
+            kept[1].add_(1)  # still queued when share_pages copies kept[1]'s page
+        kept[1].record_stream(s)
+        before = pymemplan.memory_reserved()
+        assert pymemplan.share_pages() == 4 * MiB
+        assert pymemplan.memory_reserved() == before - 4 * MiB
+        expect = [17, 19, 19, 20]
+        for t, v in zip(kept, expect):
+            assert bool((t == v).all()), (t[:4], v)
+        kept[0].fill_(99)
+        kept[1].sub_(1)
+        torch.cuda.synchronize()
+        assert bool((kept[0] == 99).all()) and bool((kept[1] == 17 + 1).all())
+    """)

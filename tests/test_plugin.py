@@ -319,3 +319,53 @@ def test_planned_policy_runs_in_the_plugin():
         assert fake.fakecuda_bytes_in_use(0) == 0
     """, policy="pymemplan-planned", config="min_period:32")
     assert r.returncode == 0, r.stderr
+
+
+def test_share_pages_keeps_every_byte_and_gives_pages_back():
+    """share_pages over the fake driver, whose memory is real: the live half of one page is
+    copied into the free half of another, and both addresses map that page. Every block reads
+    what was written before, writes through one address do not reach another block, and
+    nothing leaks once all is freed."""
+    ok("""
+        lib.pymemplan_share_pages.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+        fake.fakecuda_ctx_synchronizations.restype = ctypes.c_longlong
+        fake.fakecuda_bytes_copied.restype = ctypes.c_longlong
+        ptrs = [alloc(MiB) for _ in range(8)]
+        assert all(ptrs) and ptrs == [ptrs[0] + i * MiB for i in range(8)], ptrs
+        kept = []
+        for page in range(4):  # the front half of even pages lives on, the back half of odd
+            front, back = ptrs[2 * page], ptrs[2 * page + 1]
+            free(back if page % 2 == 0 else front)
+            kept.append(front if page % 2 == 0 else back)
+        for i, p in enumerate(kept):
+            ctypes.memset(p, 17 + i, MiB)
+        reserved = stats()["reserved_bytes.all.current"]
+        handles = fake.fakecuda_live_handles(0)
+
+        given = ctypes.c_size_t()
+        assert lib.pymemplan_share_pages(-1, ctypes.byref(given)) == 0, err()
+        assert given.value == 4 * MiB
+        assert stats()["reserved_bytes.all.current"] == reserved - 4 * MiB
+        assert fake.fakecuda_live_handles(0) == handles - 2
+        assert fake.fakecuda_ctx_synchronizations() >= 1 and fake.fakecuda_bytes_copied() == 2 * MiB
+        for i, p in enumerate(kept):
+            assert ctypes.string_at(p, MiB) == bytes([17 + i]) * MiB, f"block {i} changed"
+        ctypes.memset(kept[0], 99, MiB)  # same physical page as kept[1], other half
+        assert ctypes.string_at(kept[1], MiB) == bytes([18]) * MiB
+        more = [alloc(MiB) for _ in range(6)]
+        for j, p in enumerate(more):
+            ctypes.memset(p, 50 + j, MiB)
+        expect = [99, 18, 19, 20]
+        for p, v in zip(kept, expect):
+            assert ctypes.string_at(p, MiB) == bytes([v]) * MiB, "a new block overlaps a shared page"
+        for j, p in enumerate(more):
+            assert ctypes.string_at(p, MiB) == bytes([50 + j]) * MiB
+        free(kept[0])  # the pair (0, 1) ends; kept[1] keeps its bytes
+        assert ctypes.string_at(kept[1], MiB) == bytes([18]) * MiB
+        for p in kept[1:] + more:
+            free(p)
+        assert stats()["allocated_bytes.all.current"] == 0
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_bytes_in_use(0) == 0 and fake.fakecuda_live_mappings() == 0
+        assert fake.fakecuda_live_handles(0) == 0
+    """, policy="pymemplan-vmm")

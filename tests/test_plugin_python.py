@@ -330,6 +330,26 @@ def test_mark_step_reaches_the_planned_plugin_and_is_a_no_op_when_not_enabled():
     """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="4GiB")
 
 
+def test_share_pages_through_the_python_api():
+    run(f"""
+        import ctypes
+        import pymemplan
+        from pymemplan.allocator import _library
+        assert pymemplan.share_pages() == 0  # not enabled: nothing to share, no library needed
+        pymemplan.enable(policy="pymemplan-vmm", oom_action="null")
+        lib = _library.load()
+        MiB = 1 << 20
+        ptrs = [lib.pymemplan_alloc(MiB, 0, None) for _ in range(4)]
+        assert all(ptrs), pymemplan.last_error()
+        lib.pymemplan_free(ptrs[1], MiB, 0, None)  # page 0: front half in use
+        lib.pymemplan_free(ptrs[2], MiB, 0, None)  # page 1: back half in use
+        before = pymemplan.memory_reserved()
+        assert pymemplan.share_pages() == 2 * MiB
+        assert pymemplan.memory_reserved() == before - 2 * MiB
+        assert pymemplan.share_pages(device=0) == 0  # nothing left to pair
+    """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
+
+
 def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
     path = tmp_path / "snapshot.pickle"
     run_fake(f"""

@@ -30,6 +30,13 @@ constexpr std::size_t kLargeBuffer = 20 * kMiB;  // segment for requests in (1 M
 constexpr std::size_t kMinLargeAlloc = 10 * kMiB;
 constexpr std::size_t kRoundLarge = 2 * kMiB;    // larger segments are rounded to 2 MiB
 
+// Two pages of virtual segments to share (CachingAllocator::share_pages), by address: `keep`
+// keeps its physical page, `alias` maps it too and gives its own back.
+struct SharePair {
+  std::uintptr_t keep = 0;
+  std::uintptr_t alias = 0;
+};
+
 // Wholly free segments, largest first: the order in which cache is released.
 struct LargestFirst {
   bool operator()(const Block* a, const Block* b) const {
@@ -59,6 +66,23 @@ class CachingAllocator : public Allocator {
   bool owns(const void* ptr) const override;
   // Wait for pending frees, then give every wholly free segment back to the device.
   void empty_cache() override;
+
+  // See Allocator::share_pages. Pages of virtual segments (arenas excepted) whose live bytes
+  // lie at disjoint offsets are paired; a pair ends (one address unmapped, the other page
+  // whole again) once either address has no live block left. Needs vmm and a device that
+  // supports page sharing; 0 otherwise. share_pages() = share_pages(share_candidates()).
+  std::size_t share_pages() override;
+  // The pairs share_pages() would make now (nothing changes), leaving out pages that a block
+  // in use at one of the addresses `leave_out` (sorted) touches: blocks about to be freed,
+  // whose pages would only be shared for a while.
+  std::vector<SharePair> share_candidates(const std::vector<std::uintptr_t>& leave_out = {}) const;
+  // Shares these pairs (each checked again; one that is not a valid pair any more is
+  // skipped). Returns the bytes given back.
+  std::size_t share_pages(const std::vector<SharePair>& pairs);
+  // `holes` (as page_holes gives them) less the free space sharing `pairs` would take.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> holes_after_sharing(
+      const std::vector<std::pair<std::uintptr_t, std::size_t>>& holes,
+      const std::vector<SharePair>& pairs) const;
 
   // Limit on reserved bytes; 0 removes it. A fraction is of the device capacity.
   void set_memory_limit(std::size_t bytes) override;
@@ -167,6 +191,26 @@ class CachingAllocator : public Allocator {
   void count_use(const Block* b, int delta);
   void unmap_page(Segment* seg, std::size_t index);
   void synchronize_stream(StreamId stream);
+  // Page sharing. side[0] keeps the physical page it had; side[1] is an alias of it. Each
+  // side's guards cover the offsets the other side owns.
+  struct Share {
+    Segment* seg[2];
+    std::size_t index[2];
+    std::vector<Block*> guards[2];
+  };
+  // Offsets [lo, hi) of page `index` that blocks in use, or claimed by a plan, occupy.
+  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
+  Ranges used_offsets(const Segment* seg, std::size_t index) const;
+  std::vector<SharePair> share_candidates_locked(const std::vector<std::uintptr_t>& leave_out) const;
+  Segment* segment_of(std::uintptr_t addr) const;
+  bool share_pair(Segment* keep, std::size_t ki, Segment* alias, std::size_t ai,
+                  const Ranges& alias_used);
+  // A guard over [lo, hi) (free and listed now, inside one page).
+  Block* make_guard(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
+  void drop_guard(Block* g);
+  // Ends the shares of pages [first, last] of `seg` whose address has no block but guards.
+  void end_idle_shares(Segment* seg, std::size_t first, std::size_t last);
+  void end_share(Share* s, int side);
   Block* take(Block* block, std::size_t rounded, std::size_t requested, StreamId stream);
   // `b` is free and listed nowhere: it keeps [addr, at); the returned block, with the same
   // owner, gets [at, end).
@@ -221,6 +265,7 @@ class CachingAllocator : public Allocator {
                                                           // (arenas excepted)
   std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas, and claimed ones
   std::size_t claimed_blocks_ = 0;                        // blocks (free or not) marked claimed
+  std::unordered_map<std::uintptr_t, Share*> shares_;     // by page address, both sides
   std::deque<PendingEvent> pending_;
   std::vector<EventHandle> event_pool_;
   std::vector<StreamId> draining_;  // streams with a drain event in flight

@@ -53,6 +53,12 @@ class Allocator {
   // Allocators that find the repeated step by themselves may use it to plan sooner and to cut
   // the plan at the step boundary; the others ignore it. Never needed for correctness.
   virtual void mark_step() {}
+  // Gives back physical pages held by partly used pages, without moving any allocation's
+  // address: where two pages' live bytes sit at disjoint offsets, one page's bytes are copied
+  // into the other's free offsets and both addresses map that one page. Waits for all work
+  // on the device first (no other thread may enqueue work during the call). Returns the
+  // bytes given back; 0 where the allocator or the device cannot share pages.
+  virtual std::size_t share_pages() { return 0; }
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

@@ -29,6 +29,9 @@ struct Block {
   // listed with the arenas' free blocks, which best fit never searches; allocated, it goes
   // back there when freed. Claimed and unclaimed neighbours never merge.
   bool claimed = false;
+  // Covers offsets of a shared page that the page's other address owns (share_pages): never
+  // handed out, listed nowhere, shown as inactive. Removed when the sharing ends.
+  bool guard = false;
   int pending_events = 0;             // freed, but waiting on this many events before reuse
   std::vector<StreamId> stream_uses;  // streams other than `stream` that used it (record_stream)
   std::uint64_t free_seq = 0;         // order in which it became free (for stream drains)

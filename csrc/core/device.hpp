@@ -53,6 +53,16 @@ class Device {
   // writing. unmap_page does not wait for queued work: the caller synchronizes first.
   virtual void map_page(void* addr, PageHandle page);
   virtual void unmap_page(void* addr);
+
+  // --- Page sharing (optional, with vmm): one physical page mapped at several addresses
+  // (map_page of a page already mapped elsewhere; release_page once it is mapped nowhere),
+  // and the two calls that move live bytes between pages.
+  virtual bool supports_page_sharing() const { return false; }
+  // Blocks until all work queued on the device, on every stream, has completed.
+  virtual void synchronize_device();
+  // Copies `bytes` from `src` to `dst` (mapped device memory, not overlapping) and returns
+  // once the copy has completed.
+  virtual void copy(void* dst, const void* src, std::size_t bytes);
 };
 
 }  // namespace pymemplan

@@ -83,6 +83,7 @@ constexpr PlannedKey kPlannedKeys[] = {
     {"search_rounds", &PlannedConfig::search_rounds, 0, 100000},
     {"plan_slack", &PlannedConfig::plan_slack, 0, 1000},
     {"holes", &PlannedConfig::holes, 0, 1},
+    {"share_pages", &PlannedConfig::share_pages, 0, 1},
 };
 
 std::string planned_keys() {
@@ -293,6 +294,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("plan_hole_cost_bytes", num(last_hole_cost_));
   put("pack_seconds", pack_seconds_);
   put("arm_held_bytes", num(last_held_));
+  put("shared_page_bytes", num(shared_bytes_));
   put("arm_footprint_bytes", num(last_footprint_));
   put("live_hwm_bytes", num(live_hwm_));
   put("reserved_high_water_bytes", num(pool_->reserved_high_water()));
@@ -317,11 +319,24 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   recent_[id % kPrefix] = token;
 
   const Slot* slot = nullptr;
+  Slot matched;
   if (active_ != kNoOffset) {
     if (at_cut_) boundary();
     bool crossed = false;
     slot = match_plan(rounded, stream, &crossed);
-    if (crossed) boundary();  // a new pass began with this request
+    if (crossed && slot != nullptr) {
+      // A new pass began with this request. boundary() may pack the plan as it arms (the
+      // slot then gets its offset), or replace it (refine), freeing its slots: then the slot
+      // as it was matched serves.
+      const std::size_t plan = active_, index = static_cast<std::size_t>(slot - plans_[plan].slots.data());
+      const std::uint64_t plan_id = plans_[plan].id;
+      matched = *slot;
+      slot = &matched;
+      boundary();
+      if (active_ == plan && plans_[plan].id == plan_id) slot = &plans_[plan].slots[index];
+    } else if (crossed) {
+      boundary();
+    }
     if (slot == nullptr) {
       ever_diverged_ = true;
       last_divergence_ = base_ + events_.size();
@@ -629,6 +644,39 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& h
   return true;
 }
 
+PlannedAllocator::Packing PlannedAllocator::save_packing(const Plan& p, int v) const {
+  Packing k;
+  k.offset.reserve(p.slots.size());
+  k.hole.reserve(p.slots.size());
+  for (const Slot& slot : p.slots) {
+    k.offset.push_back(slot.offset[v]);
+    k.hole.push_back(slot.hole[v]);
+  }
+  k.arena = p.arena[v];
+  k.bound = p.bound[v];
+  k.packed = p.packed[v];
+  k.holes = p.holes[v];
+  k.hole_cost = p.hole_cost[v];
+  k.claims = p.claims[v];
+  k.holes_key = p.holes_key[v];
+  return k;
+}
+
+void PlannedAllocator::restore_packing(Plan& p, int v, Packing&& k) const {
+  // Slots are assigned in place: a request being served may point at one.
+  for (std::size_t i = 0; i < p.slots.size(); ++i) {
+    p.slots[i].offset[v] = k.offset[i];
+    p.slots[i].hole[v] = k.hole[i];
+  }
+  p.arena[v] = k.arena;
+  p.bound[v] = k.bound;
+  p.packed[v] = k.packed;
+  p.holes[v] = k.holes;
+  p.hole_cost[v] = k.hole_cost;
+  p.claims[v] = std::move(k.claims);
+  p.holes_key[v] = k.holes_key;
+}
+
 bool PlannedAllocator::worth_an_arena(const Plan& p) const {
   return static_cast<double>(p.bound[0]) >= kMinPlanShare * static_cast<double>(live_hwm_);
 }
@@ -665,21 +713,62 @@ bool PlannedAllocator::arm(int v) {
     ++arm_refusals_;
     return false;
   };
-  // Not even with a perfect packing, holes of the pool filled to the last byte.
   const Ranges holes = config_.holes != 0 ? pool_->page_holes() : Ranges{};
-  std::size_t hole_bytes = 0;
-  for (const auto& h : holes) hole_bytes += h.second;
-  if (held + (at_least > hole_bytes ? round_up(at_least - hole_bytes, page()) : 0) > limit) {
-    return refuse();
+  // Sharing pages (CachingAllocator::share_pages) that blocks outliving the period keep
+  // partly used: the held pages shrink, and so does the free space in them that the plan
+  // could fill. Whether that pays is known only once the plan is packed both ways.
+  std::vector<SharePair> pairs;
+  if (config_.share_pages != 0) {
+    // Blocks younger than a period may be freed within the next one: pages they touch are
+    // left alone. Older ones (parameters, optimizer state) hold pages for good.
+    const std::uint64_t now = base_ + events_.size();
+    std::vector<std::uintptr_t> young;
+    for (const auto& [addr, l] : live_) {
+      if (l.event + p.period > now) young.push_back(addr);
+    }
+    std::sort(young.begin(), young.end());
+    pairs = pool_->share_candidates(young);
   }
+  const std::size_t saved = pairs.size() * page();
+  const Ranges shared_holes = pairs.empty() || holes.empty() ? Ranges{} : pool_->holes_after_sharing(holes, pairs);
+  // Not even with a perfect packing, holes of the pool filled to the last byte.
+  auto hopeless = [&](const Ranges& h, std::size_t held_then) {
+    std::size_t hole_bytes = 0;
+    for (const auto& x : h) hole_bytes += x.second;
+    return held_then + (at_least > hole_bytes ? round_up(at_least - hole_bytes, page()) : 0) > limit;
+  };
+  const bool without = !hopeless(holes, held);
+  const bool with = !pairs.empty() && !hopeless(shared_holes, held - saved);
+  if (!without && !with) return refuse();
   // The packer gives up on a run as soon as it needs more than the limit leaves. Holes are
   // those of now: a plan that used some is packed again, unless they are the holes it was
   // packed with (each arming of an iteration's plan, in steady state): packing them again
   // gave the same layout, at a cost that grew with the pool's fragments.
   const bool repack = !p.packed[v] || (p.holes[v] && holes_key(holes) != p.holes_key[v]);
-  if (repack && !pack(p, v, (limit - held) / page() * page(), holes)) return refuse();
+  auto footprint_of = [&](const Plan& q, std::size_t held_then) {
+    return held_then + round_up(q.arena[v], page()) + q.hole_cost[v];
+  };
+  bool share = false;
+  if (with && repack) {
+    const bool fits_shared = pack(p, v, (limit - (held - saved)) / page() * page(), shared_holes);
+    const std::size_t shared_footprint = fits_shared ? footprint_of(p, held - saved) : 0;
+    Packing shared_packing = save_packing(p, v);
+    const bool fits = without && pack(p, v, (limit - held) / page() * page(), holes);
+    // Sharing must save two pages or more: it costs a device-wide synchronize and copies, and
+    // its pairs last as long as their blocks; a packing moves by a page either way with small
+    // changes of its holes, so one page is no evidence (one page won at the first arming of
+    // gpt2_4l_accum3 was lost twice over later, in the pool).
+    if (fits_shared && (!fits || shared_footprint + 2 * page() <= footprint_of(p, held))) {
+      restore_packing(p, v, std::move(shared_packing));
+      share = true;
+    } else if (!fits) {
+      return refuse();
+    }
+  } else if (!without || (repack && !pack(p, v, (limit - held) / page() * page(), holes))) {
+    return refuse();
+  }
   const std::size_t need = round_up(p.arena[v], page());
-  const std::size_t footprint = held + need + p.hole_cost[v];
+  std::size_t footprint = footprint_of(p, share ? held - saved : held);
   last_footprint_ = footprint;
   if (footprint > limit) return refuse();
   if (arena_ != 0 && arena_size_ < need) {
@@ -698,6 +787,18 @@ bool PlannedAllocator::arm(int v) {
     }
     if (arena_ == 0) return false;
     arena_size_ = round_up(bytes, page());
+  }
+  if (share) {
+    // The plan's holes avoid what sharing takes. A driver error, or a pair no longer valid,
+    // only leaves pages unshared: the footprint is that much higher.
+    std::size_t shared = 0;
+    try {
+      shared = pool_->share_pages(pairs);
+    } catch (const DeviceError&) {
+    }
+    shared_bytes_ += shared;
+    footprint += saved - shared;
+    last_footprint_ = footprint;
   }
   pool_->set_grow_mark(footprint);
   arm_limit_ = std::max(high, static_cast<std::int64_t>(footprint));
@@ -916,6 +1017,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     blocks.push_back({rotated(allocs[i].t), allocs[i].life, allocs[i].size});
   }
   Plan plan;
+  plan.id = ++plan_ids_;
   plan.signature = signature;
   plan.period = period;
   plan.bound[0] = live_bound(blocks, period);
@@ -979,6 +1081,13 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   }
   plans_.push_back(std::move(plan));
   adopt(plans_.size() - 1, cursor);
+}
+
+std::size_t PlannedAllocator::share_pages() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t n = pool_->share_pages();
+  shared_bytes_ += n;
+  return n;
 }
 
 void PlannedAllocator::mark_step() {

@@ -104,6 +104,12 @@ namespace pymemplan {
 //   holes            1: blocks of a plan go first to the free parts of pages      default 1
 //                    that blocks outliving the period keep mapped (packing.hpp
 //                    fill_holes); 0: everything to the arena
+//   share_pages      1: at each arming, pages that blocks outliving the period     default 1
+//                    keep partly used are paired where their live bytes lie at
+//                    disjoint offsets, one copied into the other and both
+//                    addresses mapping one page (CachingAllocator::share_pages;
+//                    a device-wide synchronize, so no other thread may enqueue
+//                    work meanwhile); 0: never
 struct PlannedConfig {
   PolicyConfig pool;
   std::size_t min_period = 16;
@@ -114,6 +120,7 @@ struct PlannedConfig {
   std::size_t search_rounds = 0;
   std::size_t plan_slack = 10;
   std::size_t holes = 1;
+  std::size_t share_pages = 1;
 
   // Throws AllocatorError naming the bad key or value and listing the valid keys.
   static PlannedConfig parse(const std::string& conf);
@@ -158,6 +165,7 @@ class PlannedAllocator : public Allocator {
   // planned with the cut at the mark and served at once (if enough of its bytes have known
   // lifetimes), unless a plan already serves the stream.
   void mark_step() override;
+  std::size_t share_pages() override;
   double planning_seconds() const override;
   // Figures about plans for benchmarks and tests: plan_hits (requests served at their planned
   // offset; hole_hits of them in a hole of the pool), fallbacks (requests the pool served), slot_busy (matched, but the planned range
@@ -194,6 +202,7 @@ class PlannedAllocator : public Allocator {
     std::size_t time = 0;            // events since the plan's cut
   };
   struct Plan {
+    std::uint64_t id = 0;  // unique: a plan replaced in place (refine) gets a new one
     std::uint64_t signature = 0;
     std::uint64_t prefix = 0;  // hash of the first kPrefix slots
     std::vector<Slot> slots;
@@ -237,6 +246,17 @@ class PlannedAllocator : public Allocator {
   // Packs a variant; false (nothing set) if no packing fits in give_up bytes.
   using Ranges = std::vector<std::pair<std::uintptr_t, std::size_t>>;
   bool pack(Plan& p, int variant, std::size_t give_up, const Ranges& holes);
+  // One packing variant of a plan (what pack() sets), to compare packings of a plan.
+  struct Packing {
+    std::vector<std::size_t> offset;
+    std::vector<std::uintptr_t> hole;
+    std::size_t arena = 0, bound = 0, hole_cost = 0;
+    bool packed = false, holes = false;
+    Ranges claims;
+    std::uint64_t holes_key = 0;
+  };
+  Packing save_packing(const Plan& p, int variant) const;
+  void restore_packing(Plan& p, int variant, Packing&& k) const;
   // What a packing with holes depends on: the holes (address, size) and the pages using them
   // would add. Equal keys: the plan's last packing is still what pack() would compute.
   std::uint64_t holes_key(const Ranges& holes) const;
@@ -286,6 +306,7 @@ class PlannedAllocator : public Allocator {
 
   // Plans and serving.
   std::vector<Plan> plans_;
+  std::uint64_t plan_ids_ = 0;
   std::size_t active_ = kNoOffset;  // index into plans_
   std::size_t cursor_ = 0;
   bool at_cut_ = false;  // the cursor wrapped to the plan's start: boundary() is due
@@ -315,6 +336,7 @@ class PlannedAllocator : public Allocator {
   std::size_t last_held_ = 0, last_footprint_ = 0;  // at the last arming
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all
+  std::size_t shared_bytes_ = 0;  // given back by share_pages, in all
 };
 
 }  // namespace pymemplan

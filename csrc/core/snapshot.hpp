@@ -31,6 +31,9 @@ struct SegmentInfo {
   std::size_t page_size = 0;
   std::size_t mapped_size = 0;
   std::vector<bool> page_mapped;
+  // Mapped pages whose physical page another address holds (share_pages): not counted in
+  // mapped_size, which is what this segment holds.
+  std::vector<bool> page_aliased;
 };
 
 }  // namespace pymemplan

@@ -154,4 +154,15 @@ void CudaDevice::unmap_page(void* addr) {
   driver_.check(driver_.cuMemUnmap(device_ptr(addr), granularity_), "cuMemUnmap");
 }
 
+void CudaDevice::synchronize_device() {
+  InContext in(*this);
+  driver_.check(driver_.cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
+void CudaDevice::copy(void* dst, const void* src, std::size_t bytes) {
+  InContext in(*this);
+  driver_.check(driver_.cuMemcpyDtoD(device_ptr(dst), device_ptr(src), bytes), "cuMemcpyDtoD");
+  driver_.check(driver_.cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
 }  // namespace pymemplan

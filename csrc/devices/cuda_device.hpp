@@ -36,6 +36,11 @@ class CudaDevice : public Device {
   void release_page(PageHandle page) override;
   void map_page(void* addr, PageHandle page) override;
   void unmap_page(void* addr) override;
+  // Page sharing: cuCtxSynchronize, and cuMemcpyDtoD followed by one (the copy may return
+  // before it completes). cuCtxSynchronize fails during a CUDA graph capture.
+  bool supports_page_sharing() const override { return driver_.has_page_sharing(); }
+  void synchronize_device() override;
+  void copy(void* dst, const void* src, std::size_t bytes) override;
 
   int ordinal() const { return ordinal_; }
 

@@ -79,6 +79,8 @@ Driver load() {
         d.cuMemCreate && d.cuMemRelease && d.cuMemMap && d.cuMemUnmap)) {
     d.cuMemSetAccess = nullptr;  // all or nothing: has_vmm() is false
   }
+  resolve_optional(lib, gpa, d.cuCtxSynchronize, "cuCtxSynchronize", "cuCtxSynchronize");
+  resolve_optional(lib, gpa, d.cuMemcpyDtoD, "cuMemcpyDtoD", "cuMemcpyDtoD_v2");
   d.check(d.cuInit(0), "cuInit");
   return d;
 }

@@ -76,6 +76,12 @@ struct Driver {
   CUresult (*cuMemUnmap)(CUdeviceptr, std::size_t) = nullptr;
   CUresult (*cuMemSetAccess)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
   bool has_vmm() const { return cuMemSetAccess != nullptr; }
+  // Page sharing (Device::synchronize_device, Device::copy): optional too.
+  CUresult (*cuCtxSynchronize)() = nullptr;
+  CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, std::size_t) = nullptr;
+  bool has_page_sharing() const {
+    return has_vmm() && cuCtxSynchronize != nullptr && cuMemcpyDtoD != nullptr;
+  }
 
   static const Driver& get();  // thread-safe, loads on first call
   // "CUDA_ERROR_OUT_OF_MEMORY" (or the number when the driver does not know it).

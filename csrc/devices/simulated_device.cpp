@@ -1,5 +1,6 @@
 #include "simulated_device.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "../core/errors.hpp"
@@ -109,7 +110,6 @@ void SimulatedDevice::map_page(void* ptr, PageHandle page) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   auto p = pages_.find(page);
   if (p == pages_.end()) throw DeviceError("simulated device: map of an unknown page");
-  if (p->second != 0) throw DeviceError("simulated device: map of a page already mapped");
   if (addr % granularity_ != 0) throw DeviceError("simulated device: map at an unaligned address");
   auto r = reservations_.upper_bound(addr);
   if (r == reservations_.begin() || (--r, addr + granularity_ > r->first + r->second)) {
@@ -118,15 +118,57 @@ void SimulatedDevice::map_page(void* ptr, PageHandle page) {
   if (!mappings_.emplace(addr, page).second) {
     throw DeviceError("simulated device: map over an address already mapped");
   }
-  p->second = addr;
+  ++p->second;
 }
 
 void SimulatedDevice::unmap_page(void* ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto m = mappings_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (m == mappings_.end()) throw DeviceError("simulated device: unmap of an address not mapped");
-  pages_.at(m->second) = 0;
+  --pages_.at(m->second);
   mappings_.erase(m);
+}
+
+void SimulatedDevice::synchronize_device() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [e, s] : events_) mark_complete(s);
+  // Every stream's work queued so far is done, streams without events included.
+  synced_through_ = ++record_seq_;
+  ++device_syncs_;
+}
+
+void SimulatedDevice::copy(void* dst, const void* src, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto d = reinterpret_cast<std::uintptr_t>(dst), s = reinterpret_cast<std::uintptr_t>(src);
+  auto mapped = [&](std::uintptr_t lo) {
+    for (std::uintptr_t p = lo / granularity_ * granularity_; p < lo + bytes; p += granularity_) {
+      if (mappings_.find(p) == mappings_.end()) return false;
+    }
+    return true;
+  };
+  if (bytes == 0 || !mapped(d) || !mapped(s)) {
+    throw DeviceError("simulated device: copy of " + std::to_string(bytes) +
+                      " bytes touches an address not mapped");
+  }
+  if (d < s + bytes && s < d + bytes) throw DeviceError("simulated device: copy between overlapping ranges");
+  bytes_copied_ += bytes;
+}
+
+std::pair<PageHandle, std::size_t> SimulatedDevice::translate(std::uintptr_t addr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto m = mappings_.find(addr / granularity_ * granularity_);
+  if (m == mappings_.end()) return {0, 0};
+  return {m->second, addr % granularity_};
+}
+
+std::uint64_t SimulatedDevice::device_synchronizations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return device_syncs_;
+}
+
+std::uint64_t SimulatedDevice::bytes_copied() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_copied_;
 }
 
 std::size_t SimulatedDevice::live_pages() const {
@@ -245,7 +287,7 @@ std::uint64_t SimulatedDevice::record_count() const {
 std::uint64_t SimulatedDevice::completed_through(StreamId stream) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = done_through_.find(stream);
-  return it == done_through_.end() ? 0 : it->second;
+  return std::max(synced_through_, it == done_through_.end() ? 0 : it->second);
 }
 
 }  // namespace pymemplan

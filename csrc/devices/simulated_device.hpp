@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "../core/device.hpp"
 
@@ -38,6 +39,15 @@ class SimulatedDevice : public Device {
   void release_page(PageHandle page) override;
   void map_page(void* addr, PageHandle page) override;
   void unmap_page(void* addr) override;
+  // Page sharing: a page may be mapped at several addresses. There is no memory behind the
+  // addresses: copy checks that both ranges are mapped and counts the bytes.
+  bool supports_page_sharing() const override { return true; }
+  void synchronize_device() override;  // completes every recorded event
+  void copy(void* dst, const void* src, std::size_t bytes) override;
+  // The page mapped at `addr` and the offset of addr in it; (0, 0) where nothing is mapped.
+  std::pair<PageHandle, std::size_t> translate(std::uintptr_t addr) const;
+  std::uint64_t device_synchronizations() const;
+  std::uint64_t bytes_copied() const;
   std::size_t live_pages() const;
   std::size_t mapped_pages() const;
   std::size_t live_reservations() const;
@@ -78,12 +88,15 @@ class SimulatedDevice : public Device {
   int fail_next_ = 0;
   std::unordered_map<std::uintptr_t, std::size_t> segments_;
   std::map<std::uintptr_t, std::size_t> reservations_;           // address -> bytes
-  std::unordered_map<PageHandle, std::uintptr_t> pages_;         // page -> mapped address or 0
+  std::unordered_map<PageHandle, std::size_t> pages_;            // page -> addresses mapping it
   std::map<std::uintptr_t, PageHandle> mappings_;                // address -> page
   PageHandle next_page_ = 1;
   std::unordered_map<EventHandle, EventState> events_;
   EventHandle next_event_ = 1;
   std::uint64_t record_seq_ = 0;
+  std::uint64_t synced_through_ = 0;  // record number of the last synchronize_device
+  std::uint64_t device_syncs_ = 0;
+  std::uint64_t bytes_copied_ = 0;
   std::unordered_map<StreamId, std::uint64_t> done_through_;
 };
 

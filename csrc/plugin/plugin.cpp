@@ -292,6 +292,18 @@ int pymemplan_mark_step(int device) {
   });
 }
 
+int pymemplan_share_pages(int device, std::size_t* given_back) {
+  std::size_t total = 0;
+  const int rc = guarded([&] {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (device >= 0 && d != device) continue;
+      if (Allocator* a = existing_allocator(d)) total += a->share_pages();
+    }
+  });
+  if (given_back != nullptr) *given_back = total;
+  return rc;
+}
+
 const char* pymemplan_last_error(void) { return last_error.c_str(); }
 
 int pymemplan_device_count(void) {

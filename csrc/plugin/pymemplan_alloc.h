@@ -52,6 +52,11 @@ int pymemplan_empty_cache(int device);                     /* -1: every device *
 /* A training step starts here (-1: every device). A hint for pymemplan-planned, which finds
  * the repeated step by itself without it; the other policies ignore it. */
 int pymemplan_mark_step(int device);
+/* Gives back pages that blocks in use fill only partly (-1: every device): two such pages
+ * whose live bytes lie at disjoint offsets become one physical page mapped at both addresses.
+ * Policies with virtual memory only; synchronizes the device, so no other thread may enqueue
+ * work meanwhile. *given_back (if not NULL): the bytes given back. */
+int pymemplan_share_pages(int device, size_t* given_back);
 /* The last error of the calling thread (OOM message, bad pointer, driver failure), or "". */
 const char* pymemplan_last_error(void);
 /* Number of devices the driver reports, or -1 with last_error set (no driver, ...). */

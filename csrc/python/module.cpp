@@ -57,6 +57,7 @@ py::dict snapshot_dict(const std::vector<SegmentInfo>& segments, StreamId) {
       sd["mapped_size"] = s.mapped_size;
       sd["page_size"] = s.page_size;
       sd["page_mapped"] = s.page_mapped;
+      sd["page_aliased"] = s.page_aliased;
     }
     sd["frames"] = py::list();
     sd["blocks"] = blocks;
@@ -126,6 +127,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("live_pages", &SimulatedDevice::live_pages)
       .def_property_readonly("mapped_pages", &SimulatedDevice::mapped_pages)
       .def_property_readonly("live_reservations", &SimulatedDevice::live_reservations)
+      .def_property_readonly("device_synchronizations", &SimulatedDevice::device_synchronizations)
+      .def_property_readonly("bytes_copied", &SimulatedDevice::bytes_copied)
+      .def(
+          "translate",
+          [](const SimulatedDevice& d, std::uintptr_t addr) {
+            const auto [page, offset] = d.translate(addr);
+            return py::make_tuple(page, offset);
+          },
+          py::arg("address"),
+          "(physical page, offset in it) of a device address; (0, 0) where nothing is mapped.")
       .def("completed_through", &SimulatedDevice::completed_through, py::arg("stream"))
       .def("set_auto_complete", &SimulatedDevice::set_auto_complete, py::arg("on"))
       .def(
@@ -161,6 +172,9 @@ PYBIND11_MODULE(_core, m) {
           py::arg("ptr"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("empty_cache", &Allocator::empty_cache, py::call_guard<py::gil_scoped_release>())
       .def("mark_step", &Allocator::mark_step, py::call_guard<py::gil_scoped_release>())
+      .def("share_pages", &Allocator::share_pages, py::call_guard<py::gil_scoped_release>(),
+           "Give back pages that blocks in use only partly fill, by mapping two such pages "
+           "onto one where their live bytes lie at disjoint offsets; returns the bytes given back.")
       .def("set_memory_limit", &Allocator::set_memory_limit, py::arg("bytes"))
       .def("set_memory_fraction", &Allocator::set_memory_fraction, py::arg("fraction"))
       .def_property_readonly("memory_limit", &Allocator::memory_limit)
@@ -313,6 +327,7 @@ PYBIND11_MODULE(_core, m) {
         d["plan_hits"] = r.plan_hits;
         d["plan_fallbacks"] = r.plan_fallbacks;
         d["plan_hole_hits"] = r.plan_hole_hits;
+        d["page_shares"] = r.page_shares;
         return d;
       },
       py::arg("ops"), py::arg("seed") = 1, py::arg("policy") = "pymemplan",

@@ -123,6 +123,8 @@ struct State {
   int live_handles[kMaxDevices] = {};
   long long num_allocs = 0;
   long long num_frees = 0;
+  long long ctx_synchronizations = 0;
+  long long bytes_copied = 0;
   std::map<std::uintptr_t, Allocation> allocations;
   std::unordered_set<CUevent_st*> events;
   std::map<std::uintptr_t, std::size_t> reservations;
@@ -200,6 +202,8 @@ void reset_locked(State& s) {
   }
   s.num_allocs = 0;
   s.num_frees = 0;
+  s.ctx_synchronizations = 0;
+  s.bytes_copied = 0;
   s.next_handle = 1;
 }
 
@@ -583,6 +587,41 @@ FAKECUDA_DRIVER CUresult cuStreamSynchronize(CUstream stream) {
   return CUDA_SUCCESS;
 }
 
+FAKECUDA_DRIVER CUresult cuCtxSynchronize(void) {
+  State& s = state();
+  REQUIRE_INIT(s);
+  for (CUevent_st* e : s.events) {
+    if (e->pending) complete(e);
+  }
+  ++s.ctx_synchronizations;
+  return CUDA_SUCCESS;
+}
+
+namespace {
+// [ptr, ptr + size) lies in one cuMemAlloc block or in mapped virtual memory.
+bool device_memory(const State& s, std::uintptr_t ptr, std::size_t size) {
+  auto a = s.allocations.upper_bound(ptr);
+  if (a != s.allocations.begin()) {
+    --a;
+    if (ptr + size <= a->second.base + a->second.length) return true;
+  }
+  return fully_mapped(s, ptr, size);
+}
+}  // namespace
+
+// Synchronous here (the memory is the host's); the driver's may return before the copy
+// completes, so callers that need it done synchronize the context after it.
+FAKECUDA_DRIVER CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t size) {
+  State& s = state();
+  REQUIRE_INIT(s);
+  const auto d = static_cast<std::uintptr_t>(dst), from = static_cast<std::uintptr_t>(src);
+  if (size == 0) return CUDA_SUCCESS;
+  if (!device_memory(s, d, size) || !device_memory(s, from, size)) return CUDA_ERROR_INVALID_VALUE;
+  std::memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(from), size);
+  s.bytes_copied += static_cast<long long>(size);
+  return CUDA_SUCCESS;
+}
+
 // ------------------------------------------------------------------------------ errors
 
 FAKECUDA_DRIVER CUresult cuGetErrorName(CUresult error, const char** name) {
@@ -811,6 +850,8 @@ const Entry* find_entry(const char* symbol) {
       FAKECUDA_ENTRY("cuEventQuery", cuEventQuery),
       FAKECUDA_ENTRY("cuEventSynchronize", cuEventSynchronize),
       FAKECUDA_ENTRY("cuStreamSynchronize", cuStreamSynchronize),
+      FAKECUDA_ENTRY("cuCtxSynchronize", cuCtxSynchronize),
+      FAKECUDA_ENTRY("cuMemcpyDtoD", cuMemcpyDtoD_v2),
       FAKECUDA_ENTRY("cuGetErrorName", cuGetErrorName),
       FAKECUDA_ENTRY("cuGetErrorString", cuGetErrorString),
       FAKECUDA_ENTRY("cuMemGetAllocationGranularity", cuMemGetAllocationGranularity),
@@ -932,6 +973,18 @@ long long fakecuda_num_allocs(void) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   return s.num_allocs;
+}
+
+long long fakecuda_ctx_synchronizations(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.ctx_synchronizations;
+}
+
+long long fakecuda_bytes_copied(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.bytes_copied;
 }
 
 long long fakecuda_num_frees(void) {

@@ -82,6 +82,9 @@ FAKECUDA_API long long fakecuda_num_allocs(void);
 FAKECUDA_API long long fakecuda_num_frees(void);
 FAKECUDA_API int fakecuda_live_events(void);
 FAKECUDA_API int fakecuda_pending_events(void);
+/* cuCtxSynchronize calls, and bytes copied by cuMemcpyDtoD, since the last reset. */
+FAKECUDA_API long long fakecuda_ctx_synchronizations(void);
+FAKECUDA_API long long fakecuda_bytes_copied(void);
 
 /* Virtual-memory counters: physical handles not yet released and unmapped (of one device),
  * mapped ranges, address reservations not yet freed. */

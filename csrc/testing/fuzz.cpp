@@ -1,5 +1,6 @@
 #include "fuzz.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -171,10 +172,53 @@ class Fuzzer {
     } else if (dice < 99 && !live_.empty()) {
       const std::uintptr_t p = random_live();
       if (key_of_.count(p) == 0) do_free(p);
+    } else if (rng_() % 2 == 0) {
+      share_pages();
     } else {
       alloc_->empty_cache();
       expect(device_->pending_events() == 0, "empty_cache left events pending");
       ++r_.empty_caches;
+    }
+  }
+
+  void share_pages() {
+    const std::size_t before = device_->live_pages();
+    const std::size_t given = alloc_->share_pages();
+    expect(device_->live_pages() + given / device_->granularity() == before,
+           "share_pages gave back other than the pages it reports");
+    if (given != 0) {
+      ++r_.page_shares;
+      physical_check();
+    }
+  }
+
+  void physical_check() {
+    // Two addresses may map one physical page (share_pages): blocks in use must not overlap
+    // in physical memory either, (page, offset) by (page, offset).
+    struct Piece {
+      PageHandle page;
+      std::size_t lo, hi;
+    };
+    std::vector<Piece> pieces;
+    for (const SegmentInfo& seg : alloc_->snapshot()) {
+      if (!seg.is_virtual) continue;
+      for (const BlockInfo& b : seg.blocks) {
+        if (b.state == "inactive") continue;
+        for (std::uintptr_t at = b.address; at < b.address + b.size;) {
+          const auto [page, offset] = device_->translate(at);
+          expect(page != 0, "a block in use lies on an unmapped page");
+          const std::size_t n = std::min<std::size_t>(seg.page_size - offset, b.address + b.size - at);
+          pieces.push_back({page, offset, offset + n});
+          at += n;
+        }
+      }
+    }
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+      return a.page != b.page ? a.page < b.page : a.lo < b.lo;
+    });
+    for (std::size_t i = 1; i < pieces.size(); ++i) {
+      expect(pieces[i].page != pieces[i - 1].page || pieces[i].lo >= pieces[i - 1].hi,
+             "two blocks in use share physical memory");
     }
   }
 
@@ -205,8 +249,10 @@ class Fuzzer {
       auto& b = live_.at(p);
       if (stream != b.stream) b.uses.insert(stream);
       ++r_.record_streams;
-    } else if (dice < 998) {
+    } else if (dice < 997) {
       device_->complete_events(stream, rng_() % 4 == 0);
+    } else if (dice < 998) {
+      share_pages();
     } else {
       alloc_->empty_cache();
       expect(device_->pending_events() == 0, "empty_cache left events pending");
@@ -345,6 +391,7 @@ class Fuzzer {
     expect(s.inactive_split_bytes[kAllPools].current == inactive_split,
            "inactive_split_bytes != recount");
     expect(device_->used() >= static_cast<std::size_t>(reserved), "device holds less than reserved");
+    physical_check();
   }
 
   void drain_to_zero() {

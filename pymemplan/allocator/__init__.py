@@ -44,6 +44,7 @@ from ._stats import (
     reset_peak_memory_stats,
     save_snapshot,
     set_memory_limit,
+    share_pages,
     snapshot,
 )
 
@@ -70,5 +71,6 @@ __all__ = [
     "reset_peak_memory_stats",
     "save_snapshot",
     "set_memory_limit",
+    "share_pages",
     "snapshot",
 ]

@@ -54,6 +54,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pymemplan_set_memory_limit": (ctypes.c_int, [ctypes.c_int, ctypes.c_size_t]),
     "pymemplan_empty_cache": (ctypes.c_int, [ctypes.c_int]),
     "pymemplan_mark_step": (ctypes.c_int, [ctypes.c_int]),
+    "pymemplan_share_pages": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
     "pymemplan_last_error": (ctypes.c_char_p, []),
     "pymemplan_device_count": (ctypes.c_int, []),
 }

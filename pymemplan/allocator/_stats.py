@@ -8,6 +8,7 @@ same numbers from libpymemplan_alloc.so. None of them imports torch or initializ
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import pickle
 import re
@@ -140,6 +141,27 @@ def mark_step() -> None:
 
     if is_enabled():
         _library.check(_library.load().pymemplan_mark_step(-1), "mark_step()")
+
+
+def share_pages(device: Any = None) -> int:
+    """Give back pages that tensors fill only partly; returns the bytes given back.
+
+    Where two pages' live bytes lie at disjoint offsets, one page's bytes are copied into
+    the other's free offsets and both addresses map that one page: no tensor moves. For
+    policies with virtual memory (``pymemplan-vmm``, ``pymemplan-planned``, which also does
+    this by itself when it arms a plan); 0 for the others. Useful after loading a model and
+    optimizer state. It synchronizes the device first: call it where no other thread is
+    launching work (not inside a CUDA graph capture).
+    """
+    from ._enable import is_enabled
+
+    if not is_enabled():
+        return 0
+    index = -1 if device is None else device_index(device)
+    given = ctypes.c_size_t(0)
+    _library.check(_library.load().pymemplan_share_pages(index, ctypes.byref(given)),
+                   f"share_pages(device={device!r})")
+    return given.value
 
 
 def last_error() -> str:
