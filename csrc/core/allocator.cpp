@@ -865,25 +865,26 @@ void CachingAllocator::synchronize_stream(StreamId stream) {
 // ---------------------------------------------------------------------------------------------
 // Page sharing
 
-CachingAllocator::Ranges CachingAllocator::used_offsets(const Segment* seg,
-                                                        std::size_t index) const {
+std::vector<CachingAllocator::Ranges> CachingAllocator::page_uses(const Segment* seg) const {
+  // One walk over the segment's blocks (a list by address). Free space a plan has claimed
+  // is as good as used: its blocks are on their way.
   const std::size_t page = device_->granularity();
-  const std::uintptr_t plo = seg->addr + index * page, phi = plo + page;
-  Ranges out;
-  // The blocks of a segment are a list by address: start from the first one reaching the page.
-  const Block* b = seg->head;
-  while (b != nullptr && b->addr + b->size <= plo) b = b->next;
-  for (; b != nullptr && b->addr < phi; b = b->next) {
-    // Free space a plan has claimed is as good as used: its blocks are on their way.
+  std::vector<Ranges> used(seg->pages.size());
+  for (const Block* b = seg->head; b != nullptr; b = b->next) {
     if (b->listed && !b->claimed) continue;
-    const std::size_t lo = std::max(b->addr, plo) - plo, hi = std::min(b->addr + b->size, phi) - plo;
-    if (!out.empty() && out.back().second == lo) {
-      out.back().second = hi;
-    } else {
-      out.emplace_back(lo, hi);
+    const std::size_t lo = b->addr - seg->addr, hi = lo + b->size;
+    for (std::size_t i = lo / page; i * page < hi; ++i) {
+      const std::size_t a = std::max(lo, i * page) - i * page;
+      const std::size_t z = std::min(hi, (i + 1) * page) - i * page;
+      Ranges& r = used[i];
+      if (!r.empty() && r.back().second == a) {
+        r.back().second = z;
+      } else {
+        r.emplace_back(a, z);
+      }
     }
   }
-  return out;
+  return used;
 }
 
 namespace {
@@ -932,14 +933,14 @@ std::vector<SharePair> CachingAllocator::share_candidates_locked(
   std::sort(excluded.begin(), excluded.end());
   for (const auto& [addr, seg] : segments_) {
     if (!seg->vmm || seg->arena || seg->mapped == seg->unused_mapped) continue;
+    std::vector<Ranges> uses = page_uses(seg);
     for (std::size_t i = 0; i < seg->pages.size(); ++i) {
       if (seg->pages[i] == 0 || seg->users[i] == 0) continue;
       if (shares_.count(seg->addr + i * page) != 0) continue;
       if (std::binary_search(excluded.begin(), excluded.end(), seg->addr + i * page)) continue;
-      Ranges used = used_offsets(seg, i);
       std::size_t bytes = 0;
-      for (const auto& [lo, hi] : used) bytes += hi - lo;
-      if (bytes < page) c.push_back({seg->addr + i * page, std::move(used), bytes});
+      for (const auto& [lo, hi] : uses[i]) bytes += hi - lo;
+      if (bytes < page) c.push_back({seg->addr + i * page, std::move(uses[i]), bytes});
     }
   }
   // First fit by decreasing use: each page pairs with the first later one whose live bytes
@@ -956,7 +957,7 @@ std::vector<SharePair> CachingAllocator::share_candidates_locked(
     for (std::size_t b = a + 1; b < c.size(); ++b) {
       if (taken[b] || c[a].bytes + c[b].bytes > page || !disjoint(c[a].used, c[b].used)) continue;
       taken[a] = taken[b] = true;
-      out.push_back({c[a].addr, c[b].addr});
+      out.push_back({c[a].addr, c[b].addr, c[b].used});
       break;
     }
   }
@@ -973,11 +974,7 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::holes_afte
   std::vector<std::pair<std::uintptr_t, std::uintptr_t>> taken;
   for (const SharePair& sp : pairs) {
     taken.emplace_back(sp.alias, sp.alias + page);
-    const Segment* seg = segment_of(sp.alias);
-    if (seg == nullptr) continue;
-    for (const auto& [lo, hi] : used_offsets(seg, (sp.alias - seg->addr) / page)) {
-      taken.emplace_back(sp.keep + lo, sp.keep + hi);
-    }
+    for (const auto& [lo, hi] : sp.alias_used) taken.emplace_back(sp.keep + lo, sp.keep + hi);
   }
   std::sort(taken.begin(), taken.end());
   std::vector<std::pair<std::uintptr_t, std::size_t>> out;
@@ -1010,6 +1007,13 @@ std::size_t CachingAllocator::share_pages(const std::vector<SharePair>& pairs) {
   ++stats_.num_sync_all_streams;
   synchronize_and_free_events();
   std::size_t given_back = 0;
+  // Pages in use per segment, walked once each (a pair changes only its own two pages).
+  std::unordered_map<const Segment*, std::vector<Ranges>> uses;
+  auto uses_of = [&](const Segment* seg) -> std::vector<Ranges>& {
+    auto it = uses.find(seg);
+    if (it == uses.end()) it = uses.emplace(seg, page_uses(seg)).first;
+    return it->second;
+  };
   for (const SharePair& sp : pairs) {
     // Checked again: the pairs may have been found before blocks were freed (only freeing
     // can have happened since, under the caller's lock, and that keeps a pair disjoint),
@@ -1026,7 +1030,7 @@ std::size_t CachingAllocator::share_pages(const std::vector<SharePair>& pairs) {
         alias->users[ai] == 0) {
       continue;
     }
-    const Ranges keep_used = used_offsets(keep, ki), alias_used = used_offsets(alias, ai);
+    const Ranges keep_used = uses_of(keep)[ki], alias_used = uses_of(alias)[ai];
     if (alias_used.empty() || !disjoint(keep_used, alias_used)) continue;
     if (!share_pair(keep, ki, alias, ai, alias_used)) break;
     given_back += page;

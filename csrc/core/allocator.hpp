@@ -35,6 +35,7 @@ constexpr std::size_t kRoundLarge = 2 * kMiB;    // larger segments are rounded 
 struct SharePair {
   std::uintptr_t keep = 0;
   std::uintptr_t alias = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> alias_used;  // its offsets in use, when found
 };
 
 // Wholly free segments, largest first: the order in which cache is released.
@@ -198,9 +199,9 @@ class CachingAllocator : public Allocator {
     std::size_t index[2];
     std::vector<Block*> guards[2];
   };
-  // Offsets [lo, hi) of page `index` that blocks in use, or claimed by a plan, occupy.
+  // Per page of `seg`: the offsets [lo, hi) that blocks in use, or claimed by a plan, occupy.
   using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
-  Ranges used_offsets(const Segment* seg, std::size_t index) const;
+  std::vector<Ranges> page_uses(const Segment* seg) const;
   std::vector<SharePair> share_candidates_locked(const std::vector<std::uintptr_t>& leave_out) const;
   Segment* segment_of(std::uintptr_t addr) const;
   bool share_pair(Segment* keep, std::size_t ki, Segment* alias, std::size_t ai,

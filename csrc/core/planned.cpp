@@ -714,11 +714,17 @@ bool PlannedAllocator::arm(int v) {
     return false;
   };
   const Ranges holes = config_.holes != 0 ? pool_->page_holes() : Ranges{};
+  // The packer gives up on a run as soon as it needs more than the limit leaves. Holes are
+  // those of now: a plan that used some is packed again, unless they are the holes it was
+  // packed with (each arming of an iteration's plan, in steady state): packing them again
+  // gave the same layout, at a cost that grew with the pool's fragments.
+  const bool repack = !p.packed[v] || (p.holes[v] && holes_key(holes) != p.holes_key[v]);
   // Sharing pages (CachingAllocator::share_pages) that blocks outliving the period keep
   // partly used: the held pages shrink, and so does the free space in them that the plan
-  // could fill. Whether that pays is known only once the plan is packed both ways.
+  // could fill. Whether that pays is known only once the plan is packed both ways, so it
+  // is weighed only where the plan is packed anyway.
   std::vector<SharePair> pairs;
-  if (config_.share_pages != 0) {
+  if (config_.share_pages != 0 && repack) {
     // Blocks younger than a period may be freed within the next one: pages they touch are
     // left alone. Older ones (parameters, optimizer state) hold pages for good.
     const std::uint64_t now = base_ + events_.size();
@@ -740,11 +746,6 @@ bool PlannedAllocator::arm(int v) {
   const bool without = !hopeless(holes, held);
   const bool with = !pairs.empty() && !hopeless(shared_holes, held - saved);
   if (!without && !with) return refuse();
-  // The packer gives up on a run as soon as it needs more than the limit leaves. Holes are
-  // those of now: a plan that used some is packed again, unless they are the holes it was
-  // packed with (each arming of an iteration's plan, in steady state): packing them again
-  // gave the same layout, at a cost that grew with the pool's fragments.
-  const bool repack = !p.packed[v] || (p.holes[v] && holes_key(holes) != p.holes_key[v]);
   auto footprint_of = [&](const Plan& q, std::size_t held_then) {
     return held_then + round_up(q.arena[v], page()) + q.hole_cost[v];
   };
