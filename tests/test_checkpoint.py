@@ -15,6 +15,7 @@ from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import pymemplan  # noqa: E402
+from pymemplan.planner import MemoryTrace  # noqa: E402
 from pymemplan.planner.checkpoint import BudgetTooSmallError, make_plan  # noqa: E402
 from pymemplan.planner.checkpoint.chain_dp import solve_chain  # noqa: E402
 from pymemplan.planner.checkpoint.greedy import solve_greedy  # noqa: E402
@@ -103,9 +104,32 @@ def test_containers_are_not_candidates(stack):
     assert {f"blocks.{i}" for i in range(5)} <= mods
     # Without the model the trace alone cannot tell a ModuleList from a Sequential.
     # It leaves such modules out (here the Sequentials), never a ModuleList in.
-    alone = {c.module for c in t.checkpoint_problem().candidates}
+    alone = {c.module for c in MemoryTrace(t.graph).checkpoint_problem().candidates}
     assert "blocks" not in alone and "blocks.0.mlp" not in alone and "blocks.0" in alone
     assert "blocks.0.mlp" in mods
+    # A trace made by pymemplan.trace remembers its model and inputs (weakly).
+    assert {c.module for c in t.checkpoint_problem().candidates} == mods
+
+
+def test_plan_without_model_uses_the_traced_one_while_it_lives():
+    """t.plan(budget) right after pymemplan.trace(model, inputs): the traced model is used
+    (a stack of Sequential blocks can only be planned with it). Once the model is gone the
+    trace plans alone, and an unmet budget says that the model would have helped."""
+    import gc
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(8)])
+    x = torch.randn(512, 64)
+    t = pymemplan.trace(model, (x,), loss_fn=lambda out: out.sum(), device="cpu")
+    least, _ = least_peak(t.checkpoint_problem(model, (x,)))
+    assert least < t.peak_bytes * 0.8
+    budget = (least + t.peak_bytes) // 2
+    plan = t.plan(budget)
+    assert plan.predicted_peak_bytes <= budget and plan.verified_peak_bytes <= budget
+    assert plan.recomputed
+    del model, plan
+    gc.collect()
+    with pytest.raises(BudgetTooSmallError, match="planned without the model.*Pass model= and inputs="):
+        t.plan(budget)
 
 
 @pytest.mark.parametrize("frac", [0.92, 0.8, 0.7])

@@ -57,7 +57,22 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     t._trace_kwargs = dict(loss_fn=loss_fn, optimizer=optimizer, device=device,
                            autocast=autocast, train=train, probe_kernels=probe_kernels,
                            grads_present=grads_present, grad_scaler=grad_scaler)
+    t._traced_with = _remember(model, inputs)
     return t
+
+
+def _remember(model, inputs):
+    """The model and inputs a step was traced with, for t.plan(budget) and friends. Held
+    weakly (model and tensors): a trace must not keep the user's model or batch alive."""
+    import weakref
+
+    import torch
+
+    def ref(a):
+        if isinstance(a, torch.Tensor):
+            return weakref.ref(a)
+        return lambda: a  # ints, strings, containers: small, kept as they are
+    return weakref.ref(model), [ref(a) for a in inputs]
 
 
 def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels):
@@ -121,6 +136,20 @@ class MemoryTrace:
     def __init__(self, graph: StepGraph):
         self.graph = graph
         self._trace_kwargs = None  # set by trace(): the step can be traced again
+        self._traced_with = None   # set by trace(): weak references to model and inputs
+
+    def _model_and_inputs(self, model, inputs):
+        """``model``/``inputs`` as given, or, when neither is, those the step was traced
+        with if they are still alive (None, None otherwise: a trace read from a file, or a
+        model since deleted)."""
+        if model is not None or inputs is not None or self._traced_with is None:
+            return model, inputs
+        model_ref, input_refs = self._traced_with
+        recalled = [r() for r in input_refs]
+        m = model_ref()
+        if m is None or any(a is None for a in recalled):
+            return None, None
+        return m, tuple(recalled)
 
     # -- core figures --------------------------------------------------------------------
     @cached_property
@@ -320,13 +349,17 @@ class MemoryTrace:
     def checkpoint_problem(self, model=None, inputs=None, modules=None,
                            policies=("full", "save-compute")):
         """The checkpoint problem of this step (candidates, deltas, costs). With ``model``
-        and ``inputs`` the recompute costs count FLOPs; without, bytes moved only.
+        and ``inputs`` the recompute costs count FLOPs; without, bytes moved only, and
+        containers are no candidates (a ModuleList cannot be called, and the trace alone
+        cannot tell one from a Sequential). Neither given: those of :func:`trace`, while
+        they are alive (held weakly).
         ``modules``: fnmatch patterns of the module paths that may be checkpointed;
         ``policies``: "full" (recompute the module) and/or "save-compute" (selective:
         keep matmul/conv/attention outputs)."""
         from .checkpoint.cost import forward_facts
         from .checkpoint.problem import build_problem
 
+        model, inputs = self._model_and_inputs(model, inputs)
         key = (id(model) if model is not None else None,
                tuple(modules) if modules is not None else None, tuple(policies))
         cache = self.__dict__.setdefault("_ckpt_problems", {})
@@ -372,12 +405,13 @@ class MemoryTrace:
         ``policies`` how (see :meth:`checkpoint_problem`).
         ``solver``: "auto" (chain DP if the candidates form a chain, else MILP, else
         greedy), "chain-dp", "milp" or "greedy"; ``time_limit`` bounds the MILP.
-        ``verify`` (default: whenever ``model`` and ``inputs`` are given to a trace made by
-        :func:`trace`): trace the step again with the plan applied and, if that peak is over
-        the budget, solve again for less (``checkpoint.plan.verify_plan``); the traced peak
-        is ``plan.verified_peak_bytes``. It costs one more trace per plan."""
+        ``verify`` (default: whenever ``model`` and ``inputs`` are known, given or those
+        :func:`trace` was called with): trace the step again with the plan applied and, if
+        that peak is over the budget, solve again for less (``checkpoint.plan.verify_plan``);
+        the traced peak is ``plan.verified_peak_bytes``. It costs one more trace per plan."""
         from .checkpoint.plan import make_plan, verify_plan
 
+        model, inputs = self._model_and_inputs(model, inputs)
         if verify is None:
             verify = model is not None and inputs is not None and self._trace_kwargs is not None
         if verify and (model is None or inputs is None or self._trace_kwargs is None):
@@ -395,9 +429,10 @@ class MemoryTrace:
                policies=("full", "save-compute"), path=None,
                time_limit: float = 5.0) -> list[dict]:
         """Peak versus recompute cost across budgets (from the least achievable peak to the
-        unplanned one); a PNG at ``path`` if given."""
+        unplanned one); a PNG at ``path`` if given. ``model``/``inputs`` as for :meth:`plan`."""
         from .checkpoint.plan import pareto
 
+        model, inputs = self._model_and_inputs(model, inputs)
         return pareto(self.checkpoint_problem(model, inputs, modules, policies), points, path=path,
                       time_limit=time_limit)
 

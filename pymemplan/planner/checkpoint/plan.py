@@ -154,13 +154,20 @@ def _too_small(p: CheckpointProblem, budget: int) -> BudgetTooSmallError:
     hints.append("bf16/fp16 autocast")
     if fixed > budget:
         hints.append("sharding parameters and gradients (FSDP/ZeRO)")
+    # Planned from the trace alone, containers were left out: with the model they may fit.
+    unknown = sorted(m for m, why in p.skipped.items() if "plan with the model" in why)
+    without_model = (f" This was planned without the model: {len(unknown)} module(s) that may "
+                     f"be containers ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}) "
+                     "were no candidates. Pass model= and inputs= (the ones traced) to "
+                     "plan them too." if unknown else "")
     return BudgetTooSmallError(
         f"no checkpoint plan fits {format_bytes(budget)}: the least achievable peak is "
         f"{format_bytes(least)} (in the {phase} pass, at op {i}), dominated by "
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in top)
         + f"; {format_bytes(fixed)} of it is parameters, gradients, optimizer state and "
         f"inputs, which checkpointing cannot remove. Options: raise the budget to at "
-        f"least {format_bytes(least)}, or use " + "; ".join(hints) + ".", least, bd)
+        f"least {format_bytes(least)}, or use " + "; ".join(hints) + "." + without_model,
+        least, bd)
 
 
 def make_plan(p: CheckpointProblem, budget, *, solver: str = "auto",
