@@ -10,7 +10,9 @@ fragmentation bites: many sizes, growing then shrinking memory, two streams.
 Each trace covers building the model and the optimizer and three to six training steps with
 Adam (parameters, gradients, optimizer state and activations all come from the allocator, as on
 a GPU); `bert_varlen` runs BERT over batches of varying sequence length, `dcgan_b64` trains two
-models in turn, `gpt2_4l_accum3` accumulates gradients over three micro-batches per step.
+models in turn, `gpt2_4l_accum3` accumulates gradients over three micro-batches per step, and
+`effnet_b0_ckpt` trains EfficientNet-B0 with pymemplan's checkpoint plan applied (the plan is
+made before recording, on a copy of the model on the meta device).
 Writes benchmarks/results/alloc_replay.json.
 """
 
@@ -49,6 +51,14 @@ def _train(make_model, make_batch, steps):
             opt.zero_grad(set_to_none=True)
             del loss
     return run
+
+
+class Prepared:
+    """A workload with a preparation that is not recorded: ``prepare()`` returns the
+    callable that is."""
+
+    def __init__(self, prepare):
+        self.prepare = prepare
 
 
 def workloads():
@@ -160,6 +170,40 @@ def workloads():
                 opt.zero_grad(set_to_none=True)
         return run
 
+    def checkpointed(name, batch, fraction, steps):
+        # A torchvision model trained with pymemplan's checkpoint plan for a budget
+        # `fraction` of the way from the least achievable peak to the unplanned one. The
+        # plan is made on a copy of the model on the meta device, before recording.
+        def prepare():
+            import torchvision
+
+            import pymemplan
+            from pymemplan.planner.checkpoint.milp import least_peak
+
+            with torch.device("meta"):
+                ghost = getattr(torchvision.models, name)()
+            x = torch.empty(batch, 3, 224, 224, device="meta")
+            y = torch.empty(batch, dtype=torch.long, device="meta")
+            t = pymemplan.trace(ghost, (x,), loss_fn=lambda out: F.cross_entropy(out, y.to(out.device)),
+                                optimizer=torch.optim.AdamW, device="cpu", probe_kernels=False)
+            least, _ = least_peak(t.checkpoint_problem())
+            plan = t.plan(int(least + (t.peak_bytes - least) * fraction), verify=False)
+
+            def run():
+                torch.manual_seed(0)
+                model = getattr(torchvision.models, name)()
+                plan.apply(model)
+                opt = torch.optim.AdamW(model.parameters())
+                for i in range(steps):
+                    g = torch.Generator().manual_seed(i)
+                    images = torch.randn(batch, 3, 224, 224, generator=g)
+                    labels = torch.randint(0, 1000, (batch,), generator=g)
+                    F.cross_entropy(model(images), labels).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            return run
+        return Prepared(prepare)
+
     varlen = [128, 384, 64, 512, 256, 448]
     return {
         "resnet50": (*vision("resnet50", 16), 3),
@@ -178,6 +222,10 @@ def workloads():
         "llama_6l": (*llama(4, 256, 6), 4),
         "dcgan_b64": dcgan(64, 4),
         "gpt2_4l_accum3": accumulate(2, 256, 3, 4, 4),
+        # Held out, added with page sharing: activation checkpointing (pymemplan's own plan)
+        # frees and re-makes activations in backward, a pattern PyTorch's allocator
+        # fragments on.
+        "effnet_b0_ckpt": checkpointed("efficientnet_b0", 24, 0.3, 4),
     }
 
 
@@ -192,8 +240,12 @@ def record_traces(names, rerecord=False):
         path = TRACE_DIR / f"{name}.csv.gz"
         if rerecord or not path.exists():
             t0 = time.perf_counter()
+            if isinstance(entry, Prepared):
+                run = entry.prepare()
+            else:
+                run = entry if callable(entry) else _train(*entry)
             with record() as rec:
-                (entry if callable(entry) else _train(*entry))()
+                run()
             trace = rec.trace
             trace.name = name
             write_csv(trace, path)
