@@ -275,3 +275,20 @@ def test_module_outputs_line_up_under_device_profile_and_autocast(device, autoca
     pl = t.plan(int(lo + 0.5 * (t.peak_bytes - lo)), model=model, inputs=(ids,))
     assert pl.recomputed and pl.predicted_peak_bytes <= pl.budget_bytes
     assert all(m.startswith("transformer.") or m == "lm_head" for m in pl.modules)
+
+
+def test_highs_debug_lines_are_kept_off_stdout(capfd):
+    """HiGHS (in scipy) printf's debug lines of its MIP solver even with disp=False; the
+    solver's calls keep them off the process's stdout and pass everything else on."""
+    import ctypes
+
+    from pymemplan.planner.checkpoint.milp import _without_highs_debug_lines
+
+    libc = ctypes.CDLL(None)
+    with _without_highs_debug_lines():
+        libc.printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        libc.printf(b"a line of the user's\n")
+        print("and one from Python", flush=True)
+    out = capfd.readouterr().out
+    assert "Highs" not in out
+    assert "a line of the user's" in out and "and one from Python" in out

@@ -17,6 +17,10 @@ integers. Under a time limit HiGHS returns its best plan and the gap to its boun
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -26,8 +30,49 @@ from .problem import CheckpointProblem, Solution, binding_rows
 _SCALE = 1024.0
 
 
+@contextlib.contextmanager
+def _without_highs_debug_lines():
+    """The HiGHS bundled with scipy prints debug lines of its MIP solver (such as
+    "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();") to the C
+    stdout even with disp=False. The process's stdout (fd 1) goes to a file while it
+    solves; afterwards everything but those lines is written back, so nothing else the
+    process printed meanwhile is lost."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):
+        yield  # no fd 1 to redirect
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield
+        finally:
+            try:
+                import ctypes
+
+                ctypes.CDLL(None).fflush(None)  # C stdio buffers, before fd 1 is restored
+            except (OSError, AttributeError):
+                pass
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not line.startswith(b"Highs")]
+            if kept:
+                os.write(1, b"".join(kept))
+
+
+def highs_milp(*args, **kwargs):
+    """``scipy.optimize.milp`` without HiGHS's debug lines on stdout."""
+    from scipy.optimize import milp
+
+    with _without_highs_debug_lines():
+        return milp(*args, **kwargs)
+
+
 def _solve(c, A, ub, cliques, n, extra_cols=0, time_limit=10.0):
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import coo_matrix
 
     cons = []
@@ -41,8 +86,9 @@ def _solve(c, A, ub, cliques, n, extra_cols=0, time_limit=10.0):
     integrality = np.r_[np.ones(n), np.zeros(extra_cols)]
     lb = np.zeros(n + extra_cols)
     ubx = np.r_[np.ones(n), np.full(extra_cols, np.inf)]
-    return milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ubx),
-                options={"time_limit": float(time_limit), "mip_rel_gap": 1e-6, "disp": False})
+    return highs_milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ubx),
+                      options={"time_limit": float(time_limit), "mip_rel_gap": 1e-6,
+                               "disp": False})
 
 
 def solve_milp(p: CheckpointProblem, budget: int, time_limit: float = 10.0) -> Solution | None:

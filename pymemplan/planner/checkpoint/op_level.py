@@ -434,8 +434,10 @@ def solve_op_problem(p: OpProblem, limit_bytes: float, time_limit: float = 10.0,
     returns ``(s, r, optimal, gap, seconds)`` or None when none is found. Memory rows are
     added lazily (the points nearest the limit first, then whatever the last solution
     violates)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import coo_matrix
+
+    from .milp import highs_milp
 
     t0 = time.perf_counter()
     n = p.n
@@ -474,9 +476,9 @@ def solve_op_problem(p: OpProblem, limit_bytes: float, time_limit: float = 10.0,
         if rows:
             extra = [LinearConstraint(_memory_matrix(p, rows), -np.inf,
                                       (limit_bytes - p.base[rows]) / _SCALE)]
-        res = milp(c, constraints=cons + extra, integrality=np.ones(2 * n),
-                   bounds=Bounds(np.zeros(2 * n), ub),
-                   options={"time_limit": float(left), "mip_rel_gap": 1e-4, "disp": False})
+        res = highs_milp(c, constraints=cons + extra, integrality=np.ones(2 * n),
+                         bounds=Bounds(np.zeros(2 * n), ub),
+                         options={"time_limit": float(left), "mip_rel_gap": 1e-4, "disp": False})
         if res.x is None:
             return None
         x = np.round(res.x).astype(np.int64)
