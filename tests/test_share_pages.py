@@ -163,3 +163,20 @@ def test_planned_shares_the_pages_of_blocks_that_outlive_the_step_when_it_arms()
         alloc.free(p)
     alloc.empty_cache()
     assert device.live_pages == 0 and device.mapped_pages == 0
+
+
+def test_a_request_that_would_fail_gets_pages_given_back_by_sharing():
+    """Out of pages, the OOM ladder pairs partly used pages before it gives up: the device
+    is full with four half-used pages, and a 3 MiB request still succeeds."""
+    device = _core.SimulatedDevice(8 * MiB)
+    alloc = _core.Allocator(device, "pymemplan-vmm", "")
+    kept = _half_pages(alloc, 4)
+    assert device.used == 8 * MiB
+    big = alloc.malloc(3 * MiB)
+    stats = alloc.stats()
+    assert stats["num_ooms"] == 0 and device.device_synchronizations == 1
+    check_invariants(alloc, device, {**{p: MiB for p in kept}, big: 3 * MiB})
+    # With the pairs made, nothing is left to give: the next request fails cleanly.
+    with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
+        alloc.malloc(4 * MiB)
+    check_invariants(alloc, device, {**{p: MiB for p in kept}, big: 3 * MiB})

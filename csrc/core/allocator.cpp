@@ -397,6 +397,28 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
         throw;
       }
     }
+    if (!backed && device_->supports_page_sharing()) {
+      // ours: pages that blocks in use fill only partly, paired onto one physical page
+      // (share_pages), may give back the pages this request needs. A device-wide
+      // synchronize is the price of not failing.
+      insert_free(b);
+      std::size_t shared = 0;
+      try {
+        shared = share_pages_locked(share_candidates_locked({}));
+      } catch (const DeviceError&) {
+        shared = 0;  // nothing was changed by the pair that failed
+      }
+      b = find_free_block(pool, rounded, stream);
+      if (b == nullptr) b = new_virtual_segment(rounded, stream);
+      if (shared != 0) {
+        try {
+          backed = back(b, rounded);
+        } catch (...) {
+          insert_free(b);
+          throw;
+        }
+      }
+    }
     if (!backed) {
       insert_free(b);
       ++stats_.num_ooms;
@@ -1000,6 +1022,10 @@ std::size_t CachingAllocator::share_pages() {
 
 std::size_t CachingAllocator::share_pages(const std::vector<SharePair>& pairs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  return share_pages_locked(pairs);
+}
+
+std::size_t CachingAllocator::share_pages_locked(const std::vector<SharePair>& pairs) {
   if (!config_.vmm || !device_->supports_page_sharing() || pairs.empty()) return 0;
   const std::size_t page = device_->granularity();
   // Queued work may still write the blocks about to be copied.

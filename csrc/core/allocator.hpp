@@ -203,6 +203,7 @@ class CachingAllocator : public Allocator {
   using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
   std::vector<Ranges> page_uses(const Segment* seg) const;
   std::vector<SharePair> share_candidates_locked(const std::vector<std::uintptr_t>& leave_out) const;
+  std::size_t share_pages_locked(const std::vector<SharePair>& pairs);
   Segment* segment_of(std::uintptr_t addr) const;
   bool share_pair(Segment* keep, std::size_t ki, Segment* alias, std::size_t ai,
                   const Ranges& alias_used);
