@@ -282,12 +282,13 @@ class RecurrentLM(nn.Module):
         return self.head(self.rnn(self.emb(x))[0])
 
 
-@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
 def test_recurrent_layers_are_probed_safely_and_their_workspace_counted(cell):
     # The CPU LSTM's backward reads its forward's oneDNN workspace, which fake tensors
     # leave empty: run on that, the kernel corrupted the heap (the process aborted). It is
-    # not probed; the workspace itself, which the real forward makes only with grad on,
-    # is measured by running the forward op as the step ran it.
+    # probed chained: the forward op runs first (on zeros) and the backward reads its real
+    # workspace. The workspace itself, which the real forward makes only with grad on, is
+    # measured by running the forward op as the step ran it.
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (8, 64))
     model = RecurrentLM(cell)
@@ -296,21 +297,22 @@ def test_recurrent_layers_are_probed_safely_and_their_workspace_counted(cell):
         return F.cross_entropy(o.flatten(0, 1), ids.flatten())
 
     t = pymemplan.trace(model, (ids,), loss_fn=loss, device="cpu")
-    blind = pymemplan.trace(model, (ids,), loss_fn=loss, device="cpu", probe_kernels=False)
     stats = t.graph.meta["kernel_scratch_probe"]
     measured = measure_step(model, (ids,), loss_fn=loss).peak_bytes
-    if cell == "GRU":  # no oneDNN path: exact
-        assert stats["opaque_buffer_ops"] == 0
-        assert t.peak_bytes == measured
+    assert stats["opaque_buffer_ops"] == 0 and stats["failed"] == 0
+    if cell != "LSTM":  # no oneDNN path: exact
+        assert stats["chained"] == 0 and t.peak_bytes == measured
         return
-    assert stats["opaque_buffer_ops"] == 2 and stats["failed"] == 0  # one per layer
+    # The oneDNN kernels' own buffers, measured on zeros, are within a page of the real
+    # step's (they were 13% short while the backward was not probed).
+    assert abs(t.peak_bytes - measured) <= 4096
+    assert stats["chained"] == 2  # one backward per layer, each after its forward
     workspaces = [x for x in t.tensors if x.op == "aten.mkldnn_rnn_layer.default"
                   and x.shape == (0,)]
     assert len(workspaces) == 2 and all(x.nbytes > 1 << 20 for x in workspaces)
-    # Without the workspaces the prediction was 39% of the real peak; the backward's
-    # own scratch (not probed) is what is left.
+    # Without the probe the prediction was 39% of the real peak.
+    blind = pymemplan.trace(model, (ids,), loss_fn=loss, device="cpu", probe_kernels=False)
     assert blind.peak_bytes < 0.5 * measured
-    assert 0.85 * measured <= t.peak_bytes <= measured
 
 
 def test_reserved_peak_replays_the_predicted_step_through_allocator_policies():

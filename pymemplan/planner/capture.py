@@ -245,7 +245,7 @@ class _Recorder:
             except Exception:  # an overload the formula does not cover: no FLOPs known
                 op.flops = 0.0
         if self.probes is not None and not on_host:
-            self.probes.add(index, func, args, kwargs, new_bytes, outs)
+            self.probes.add(index, func, args, kwargs, new_bytes, outs, out)
         if self.progress is not None and index % 500 == 0:
             self.progress(self.phase, index)
         return out

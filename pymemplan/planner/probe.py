@@ -15,9 +15,12 @@ outputs). That is exact for this machine and needs no list of ops. Signatures wh
 tensors would need more than ``limit`` bytes are not run (their scratch counts as 0 and
 the trace says how many were skipped). Nor are ops that take a buffer an earlier kernel
 filled for them (an argument named ``workspace`` or ``reserve``: the backward of an RNN
-layer reads its forward's workspace as an opaque structure). The fake trace cannot
-describe such a buffer (it is often empty there), and a kernel run on it can corrupt
-memory (``mkldnn_rnn_layer_backward`` on the CPU does).
+layer reads its forward's workspace as an opaque structure) on a zero-filled one: the
+fake trace cannot describe such a buffer (it is often empty there), and a kernel run on it
+can corrupt memory (``mkldnn_rnn_layer_backward`` on the CPU does). Such an op is probed
+*chained* instead: the op that made the buffer is run first, on zeros, and its real output
+is what the op reads (an RNN layer's backward gets the workspace of a real forward of the
+same shapes). One whose buffer no probed op made is not run.
 
 A CUDA target cannot be probed without a GPU: cuDNN and cuBLAS workspaces are a
 documented gap of the CUDA prediction.
@@ -52,6 +55,32 @@ def _reads_opaque_buffer(func) -> bool:
     return schema is not None and any(a.name in _OPAQUE for a in schema.arguments)
 
 
+def _opaque_arguments(func, args, kwargs) -> list:
+    """The tensors passed to ``func`` as workspace-like arguments."""
+    import torch
+
+    found = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name not in _OPAQUE:
+            continue
+        v = args[i] if i < len(args) else (kwargs or {}).get(a.name)
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+    return found
+
+
+def _storage_id(t) -> int:
+    return t.untyped_storage()._cdata  # as capture's storage keys: stable while it lives
+
+
+def _zeros_like_key(k):
+    import torch
+
+    _, shape, stride, dtype, offset, nbytes = k
+    base = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), offset, shape, stride)
+
+
 @dataclass
 class ProbeSet:
     """Distinct op signatures seen during capture, and the ops that share each."""
@@ -63,19 +92,34 @@ class ProbeSet:
     opaque_buffers: int = 0  # ops not run: they read a workspace an earlier kernel filled
     outputs: dict = field(default_factory=dict)      # op index -> add()'s outputs
     grown: dict = field(default_factory=dict)        # tensor id -> real bytes (measure())
+    # Storage of a tensor output -> (signature that made it, its index among the op's
+    # tensor outputs): where an op reading it as a workspace gets the real one from.
+    made_by: dict = field(default_factory=dict)
+    chained: dict = field(default_factory=dict)      # key -> ((leaf, producer, output), ...)
 
-    def add(self, index: int, func, args, kwargs, out_bytes: int, outputs=()) -> None:
+    def add(self, index: int, func, args, kwargs, out_bytes: int, outputs=(),
+            out=None) -> None:
         """``outputs``: per tensor output of the op, in order, ``(tensor id, bytes)`` of
-        the storage it made under fake tensors (None for one it did not make)."""
+        the storage it made under fake tensors (None for one it did not make); ``out``:
+        the op's result."""
         import torch
         from torch.utils import _pytree as pytree
 
         if getattr(func, "is_view", False):
             return  # views allocate nothing
-        if _reads_opaque_buffer(func):
-            self.opaque_buffers += 1
-            return
         leaves, spec = pytree.tree_flatten((args, kwargs or {}))
+        chain = ()
+        if _reads_opaque_buffer(func):
+            # Probed after the op that made each such buffer, on its real output.
+            links = []
+            for t in _opaque_arguments(func, args, kwargs):
+                made = self.made_by.get(_storage_id(t))
+                leaf = next((i for i, x in enumerate(leaves) if x is t), None)
+                if made is None or leaf is None:
+                    self.opaque_buffers += 1
+                    return
+                links.append((leaf, *made))
+            chain = tuple(links)
         try:
             keys = tuple(_leaf_key(x) for x in leaves)
         except _Unprobeable:
@@ -83,12 +127,44 @@ class ProbeSet:
             return
         # Kernels may read grad mode (an RNN layer keeps its workspace only with grad on):
         # each signature runs under the mode it ran in during the step.
-        key = (func, str(spec), keys, torch.is_grad_enabled())
+        key = (func, str(spec), keys, torch.is_grad_enabled(), chain)
         if key not in self.signatures:
             need = out_bytes + sum(k[5] for k in keys if k[0] == "T")
             self.signatures[key] = (func, spec, keys, need)
         self.ops.setdefault(key, []).append(index)
         self.outputs[index] = list(outputs)
+        if out is not None:
+            real = [o for o in pytree.tree_leaves(out, is_leaf=lambda x: x is None)
+                    if o is None or isinstance(o, torch.Tensor)]
+            for n, o in enumerate(real):
+                if o is not None:
+                    self.made_by[_storage_id(o)] = (key, n)
+
+    def _leaves(self, keys) -> list:
+        return [_zeros_like_key(k) if k[0] == "T" else k[2] for k in keys]
+
+    def _run(self, key, leaves):
+        import torch
+        from torch.utils import _pytree as pytree
+
+        func, spec, _, _ = self.signatures[key]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        with torch.set_grad_enabled(key[3]):
+            return func(*args, **kwargs)
+
+    def _chained_inputs(self, key, leaves) -> None:
+        """Puts the real buffers a chained signature reads into its leaves, running the
+        ops that make them (on zeros)."""
+        import torch
+        from torch.utils import _pytree as pytree
+
+        for leaf, producer, n in key[4]:
+            if producer[4]:
+                raise _Unprobeable("a buffer made by an op that itself reads one")
+            made = self._run(producer, self._leaves(self.signatures[producer][2]))
+            outs = [o for o in pytree.tree_leaves(made, is_leaf=lambda x: x is None)
+                    if o is None or isinstance(o, torch.Tensor)]
+            leaves[leaf] = outs[n]
 
     def measure(self, progress=None) -> tuple[dict[int, int], dict]:
         """Run each signature once; return ({op index: scratch bytes}, statistics)."""
@@ -100,23 +176,18 @@ class ProbeSet:
         scratch: dict[int, int] = {}
         stats = {"signatures": len(self.signatures), "probed": 0, "skipped_over_limit": 0,
                  "failed": 0, "unprobeable_ops": self.unprobeable,
-                 "opaque_buffer_ops": self.opaque_buffers, "ops_with_scratch": 0}
+                 "opaque_buffer_ops": self.opaque_buffers, "chained": 0,
+                 "ops_with_scratch": 0}
         for n, (key, (func, spec, keys, need)) in enumerate(self.signatures.items()):
             if need > self.limit:
                 stats["skipped_over_limit"] += 1
                 continue
-            leaves = []
-            for k in keys:
-                if k[0] == "T":
-                    _, shape, stride, dtype, offset, nbytes = k
-                    base = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-                    t = torch.empty(0, dtype=dtype).set_(
-                        base.untyped_storage(), offset, shape, stride)
-                    leaves.append(t)  # zeros: valid as indices, harmless as values
-                else:
-                    leaves.append(k[2])
-            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            leaves = self._leaves(keys)  # zeros: valid as indices, harmless as values
             try:
+                if key[4]:
+                    self._chained_inputs(key, leaves)
+                    stats["chained"] += 1
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
                 with torch.set_grad_enabled(key[3]), record(device="cpu", name=str(func)) as rec:
                     out = func(*args, **kwargs)
             except Exception:  # an op that cannot run on zeros (e.g. needs a positive size)
