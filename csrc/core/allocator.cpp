@@ -1131,29 +1131,30 @@ bool CachingAllocator::share_pair(Segment* keep, std::size_t ki, Segment* alias,
   return true;
 }
 
-Block* CachingAllocator::make_guard(Segment* seg, std::uintptr_t lo, std::uintptr_t hi) {
-  Block* b = seg->head;
-  while (b->addr + b->size <= lo) b = b->next;
-  // [lo, hi) is free, inside one page: one listed block covers it (free neighbours of one
-  // owner are coalesced; of different owners, a range may span several: guard each part).
+Block* CachingAllocator::cut_run(Block* b, std::uintptr_t lo, std::uintptr_t hi) {
+  // Cut the run at lo and hi (the outer parts keep their owners) and merge what is between.
   erase_free(b);
   if (b->addr < lo) {
     Block* mid = split(b, lo);
     insert_free(b);
     b = mid;
   }
-  if (b->addr + b->size > hi) insert_free(split(b, hi));
-  Block* g = b;
-  if (g->addr + g->size < hi) {
-    // The range continues in the next free block (another owner's): merge it in, as
-    // allocate_range does; the guard is nobody's.
-    while (g->addr + g->size < hi) {
-      Block* next = g->next;
-      erase_free(next);
-      if (next->addr + next->size > hi) insert_free(split(next, hi));
-      g = merge(g, next);
-    }
+  while (b->addr + b->size < hi) {
+    Block* next = b->next;
+    erase_free(next);
+    if (next->addr + next->size > hi) insert_free(split(next, hi));
+    b = merge(b, next);
   }
+  if (b->addr + b->size > hi) insert_free(split(b, hi));
+  return b;
+}
+
+Block* CachingAllocator::make_guard(Segment* seg, std::uintptr_t lo, std::uintptr_t hi) {
+  // [lo, hi) is free, inside one page: a run of listed blocks (of one owner, coalesced into
+  // one; of several, merged here: the guard is nobody's).
+  Block* b = seg->head;
+  while (b->addr + b->size <= lo) b = b->next;
+  Block* g = cut_run(b, lo, hi);
   g->guard = true;
   g->allocated = true;
   g->stream = kAnyStream;
@@ -1398,13 +1399,7 @@ std::size_t CachingAllocator::claim(
     while (b != nullptr && b->addr + b->size <= lo) b = b->next;
     const std::uintptr_t hi = lo + n;
     if (b == nullptr || !b->listed || b->claimed || b->addr > lo || b->addr + b->size < hi) continue;
-    erase_free(b);
-    if (b->addr < lo) {
-      Block* mid = split(b, lo);
-      insert_free(b);
-      b = mid;
-    }
-    if (b->addr + b->size > hi) insert_free(split(b, hi));
+    b = cut_run(b, lo, hi);
     b->claimed = true;
     ++claimed_blocks_;
     insert_free(b);
@@ -1475,20 +1470,7 @@ void* CachingAllocator::allocate_range(Segment* seg, std::uintptr_t lo, std::siz
     start_drain(foreign);
     process_events();
   }
-  // Cut the run at lo and hi (the outer parts keep their owners) and merge what is between.
-  erase_free(b);
-  if (b->addr < lo) {
-    Block* mid = split(b, lo);
-    insert_free(b);
-    b = mid;
-  }
-  while (b->addr + b->size < hi) {
-    Block* next = b->next;
-    erase_free(next);
-    if (next->addr + next->size > hi) insert_free(split(next, hi));
-    b = merge(b, next);
-  }
-  if (b->addr + b->size > hi) insert_free(split(b, hi));
+  b = cut_run(b, lo, hi);
   if (seg->vmm) {
     bool backed = false;
     try {

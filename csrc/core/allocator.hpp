@@ -207,6 +207,9 @@ class CachingAllocator : public Allocator {
   Segment* segment_of(std::uintptr_t addr) const;
   bool share_pair(Segment* keep, std::size_t ki, Segment* alias, std::size_t ai,
                   const Ranges& alias_used);
+  // The run of listed free blocks from `b` (which holds lo) to hi, as one block listed
+  // nowhere; the parts outside [lo, hi) go back to the lists with their owners.
+  Block* cut_run(Block* b, std::uintptr_t lo, std::uintptr_t hi);
   // A guard over [lo, hi) (free and listed now, inside one page).
   Block* make_guard(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
   void drop_guard(Block* g);
