@@ -20,7 +20,8 @@ as it is (``compile_backend(plan=..., adapt=False)``) and its peak measured
   the backend's default), raw (no calibration);
 - ``eager``: the earlier prediction on the eager step's timeline (``EagerAxis``), raw;
 - ``graphs+cal``: ``graphs`` plus the backend's calibration (measured unplanned peak
-  minus its predicted one), as the backend uses it;
+  minus its predicted one, when positive: it only ever raises predictions), as the
+  backend uses it;
 - ``eager+cal``: ``eager`` calibrated the same way, as the backend used it before.
 
 ``--report results/compiled_prediction_check.json`` prints the tables of a written run.

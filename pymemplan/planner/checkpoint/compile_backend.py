@@ -528,7 +528,7 @@ class CompileBackend:
         # A measured peak of the compiled step without checkpointing calibrates the
         # predictions: the compiler's own buffers are not in the eager trace.
         self.unplanned_peak_bytes = unplanned_peak_bytes
-        self.calibration_bytes = 0  # added to every prediction (measured - predicted)
+        self.calibration_bytes = 0  # added to every prediction (measured - predicted, if > 0)
         self.chosen = None       # the plan the compiled graphs follow (see _choose)
         self.predicted_peak_bytes = None  # for the compiled step, when adapted
         self.trials: list = []   # (eager budget, recompute fraction, predicted compiled peak)
@@ -601,7 +601,10 @@ class CompileBackend:
             except Exception as e:  # an op the model does not describe: modules only
                 self.op_level_error = f"{type(e).__name__}: {e}"
         if self.unplanned_peak_bytes is not None and not self._calibrated:
-            self.calibration_bytes = int(self.unplanned_peak_bytes - pred_none)
+            # Only ever raised: a prediction found high on the unplanned step may be
+            # right on another partition (a kernel Inductor moves, which that one lacks),
+            # and lowering it there would predict below what the step needs.
+            self.calibration_bytes = max(int(self.unplanned_peak_bytes - pred_none), 0)
             self._calibrated = True
             pred_none = int(self.unplanned_peak_bytes)
             self.trials[-1] = self.trials[-1][:2] + (pred_none,)

@@ -12,11 +12,16 @@ Inductor makes of the FX nodes:
   materialised;
 - a pointwise op is computed inline in the kernels that read it, with no buffer, and
   the buffers it reads stay live until those kernels run; unless it is a graph output,
-  an extern kernel reads it, or Inductor's reuse heuristics realise it;
+  an extern kernel reads it, Inductor's reuse heuristics realise it, or a pooling or
+  nearest-upsampling op reads it (their lowerings' ``realize_hint``); random values
+  are always a buffer (their lowering realises them), which a dropout the backward
+  recomputes keeps from the recomputed forward to the dropout's backward;
 - pointwise and reduction kernels between two extern kernels that share a buffer are
   fused, and a buffer used only inside one kernel is never allocated;
 - ``add(x, mm(a, b))`` becomes ``addmm`` (Inductor's post-grad pattern);
 - a pointwise kernel writes in place into a same-size buffer it reads last;
+- a freed buffer may be held for a later allocation of its size (the wrapper's reuse
+  pool, :meth:`GraphMemory._pool`);
 - with convolutions, the layout optimisation's channels-last copies of weights and
   input, and the extern kernels' scratch (measured: :func:`extern_scratch`).
 
@@ -75,11 +80,41 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", 
                "_native_batch_norm_legit_no_training", "cumsum", "sort", "topk"}
 
 
+# Multi-output reductions: each output is a reduction's buffer (a layer norm's
+# statistics, which its backward reads again when it recomputes the forward).
+MULTI_REDUCTIONS = {"var_mean", "max", "min", "aminmax"}
+
+# Pointwise ops whose lowering realizes the result (lowering.py: ``result.realize()``):
+# random values are computed once, so that each kernel reading them sees the same ones.
+# Read only inside one fused kernel they are never allocated; a dropout recomputed in
+# the backward keeps them from the recomputed forward to the dropout's backward.
+REALIZED = {"inductor_random", "searchsorted", "bucketize"}
+
+
+# Graph inputs Inductor's memory estimate leaves out (utils.is_nonfreeable_buffers).
+NONFREEABLE = ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents")
+
+# Ops whose lowering calls ``realize_hint()`` on their first argument (pooling and
+# nearest upsampling, forward and backward: they read each element several times); a
+# pointwise value computed from more than one buffer is then materialised
+# (StorageBox.realize_hint).
+HINT_REALIZE = {"_low_memory_max_pool_with_offsets", "max_pool2d_with_indices",
+                "max_pool3d_with_indices", "max_pool2d_with_indices_backward",
+                "_adaptive_avg_pool2d", "adaptive_max_pool2d", "fractional_max_pool2d",
+                "fractional_max_pool3d", "avg_pool2d", "avg_pool3d", "avg_pool2d_backward",
+                "avg_pool3d_backward", "upsample_nearest1d", "upsample_nearest2d",
+                "upsample_nearest3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+                "_upsample_nearest_exact3d", "upsample_nearest2d_backward"}
+
+
 # Ops Inductor runs as extern kernels (a library call writing a buffer of its own): the
 # matmuls and convolutions it tunes; any op it has no lowering for (a fallback) too.
 EXTERN = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_int_mm",
           "_scaled_mm", "convolution", "_convolution", "convolution_backward",
           "_convolution_pointwise", "_linear_pointwise", "_mkl_linear"}
+# Of those, the ones Inductor calls with an ``out=`` buffer its wrapper allocates
+# (ExternKernelOut); ``add`` is an ``add(x, mm(a, b))`` it runs as ``addmm``.
+OUT_VARIANTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "add"}
 
 
 def _extern(node, lowerings, fallbacks) -> bool:
@@ -95,16 +130,19 @@ def _extern(node, lowerings, fallbacks) -> bool:
 
 def _kind(node, lowerings, fallbacks) -> str:
     """"item" (an output of an extern multi-output op), "multi" (that op), "view",
-    "extern", "reduction" or "pointwise" (outputs of a lowered multi-output op too)."""
+    "extern", "reduction" (an output of a multi-output reduction too) or "pointwise"
+    (outputs of other lowered multi-output ops too)."""
     if node.target is operator.getitem:
         parent = node.args[0]
-        return "item" if _extern(parent, lowerings, fallbacks) else "pointwise"
+        if _extern(parent, lowerings, fallbacks):
+            return "item"
+        return "reduction" if _op_name(parent) in MULTI_REDUCTIONS else "pointwise"
     if _is_view(node):
         return "view"
     if _extern(node, lowerings, fallbacks):
         return "multi" if isinstance(_val(node), (tuple, list)) else "extern"
     name = _op_name(node)
-    if (name in _REDUCTIONS or "scatter" in name or "index_put" in name
+    if (name in _REDUCTIONS or name in REALIZED or "scatter" in name or "index_put" in name
             or name in ("index_add", "index_reduce", "embedding_dense_backward")) \
             and not isinstance(_val(node), (tuple, list)):
         return "reduction"  # a kernel of its own (a scatter writes a buffer it made)
@@ -262,8 +300,10 @@ class GraphMemory:
     or a graph input the caller keeps), ``size[storage]`` its bytes; ``kernels`` with
     what each ``writes`` and ``reads``, run in ``order``; ``alloc_at[storage]`` the
     step that writes it, ``free_at[storage]`` the step after which it is freed (None:
-    kept, a graph output), ``inplace[storage]`` the step whose kernel takes it over,
-    ``scratch[kernel]`` what an extern kernel allocates inside its call.
+    kept, a graph output), ``inplace[storage]`` the step whose kernel takes it over
+    (``inplace_into``: the storage it becomes), ``held``/``reused``: Inductor's reuse
+    pool (:meth:`_pool`), ``scratch[kernel]`` what an extern kernel allocates inside
+    its call.
 
     ``fused``: Inductor's kernels (False: one per op, as aot_eager runs the graph).
     ``donated``: inputs the graph may write over (saved tensors backward owns).
@@ -275,7 +315,7 @@ class GraphMemory:
                  probe=True):
         import torch
 
-        self.reorder = reorder
+        self.reorder, self.fused = reorder, fused
 
         lowerings, fallbacks, realized_inputs = _inductor_tables()
         nodes = list(gm.graph.nodes)
@@ -308,6 +348,9 @@ class GraphMemory:
                 nd = nd.args[0]
             return nd
 
+        def realizes(u):  # an extern kernel reads it
+            return kind.get(u) == "extern" or u.target in realized_inputs
+
         for nd in nodes:
             if kind.get(nd) != "pointwise":
                 continue
@@ -323,17 +366,18 @@ class GraphMemory:
             users = len(nd.users)
             if not isinstance(_val(nd), torch.Tensor):
                 continue  # a tuple of lowered outputs: its items are the values
-            if nd in is_out or any(kind.get(u) == "extern" or u.target in realized_inputs
-                                   for u in nd.users):
+            if nd in is_out or any(realizes(u) for u in nd.users):
+                real.add(nd)
+            elif len(srcs) > 1 and any(_op_name(u) in HINT_REALIZE and u.args[:1] == (nd,)
+                                       for u in nd.users):
                 real.add(nd)
             elif users > 1 and (hv or len(srcs) > REUSE_READS):
                 real.add(nd)
             elif len(srcs) > MAX_ACC_READS:
                 real.add(nd)
         for nd in nodes:  # a view that is an output or read by an extern kernel
-            if kind.get(nd) == "view" and (nd in is_out or any(
-                    kind.get(u) == "extern" or u.target in realized_inputs
-                    for u in nd.users)):
+            if kind.get(nd) == "view" and (nd in is_out or any(realizes(u)
+                                                               for u in nd.users)):
                 b = base(nd)
                 if kind.get(b) == "pointwise":
                     real.add(b)
@@ -489,18 +533,26 @@ class GraphMemory:
                 out[s] = (step[k], None if s in self.keep else max(last.get(s, -1), step[k]))
         return out
 
-    def _estimate(self, order) -> int:
-        """Peak bytes of this graph's buffers and inputs run in ``order``, as Inductor's
-        memory.estimate_peak_memory counts them."""
+    def _estimate_curve(self, order):
+        """Bytes of this graph's buffers and inputs live at each kernel run in ``order``,
+        as Inductor's memory.estimate_peak_memory counts them: no in-place reuse, and
+        not the inputs it takes for parameters, user inputs or output gradients."""
         import numpy as np
 
         n = len(order)
-        diff = np.zeros(n + 2, dtype=np.int64)
+        diff = np.zeros(n + 1, dtype=np.int64)
+        inputs = set(self.inputs)
         for s, (a, f) in self._timeline(order).items():
+            if s in inputs and getattr(s, "name", "").startswith(NONFREEABLE):
+                continue
             diff[a] += self.size[s]
             if f is not None:
                 diff[f + 1] -= self.size[s]
-        return int(np.cumsum(diff).max()) if n else 0
+        return np.cumsum(diff[:n])
+
+    def _estimate(self, order) -> int:
+        """Peak bytes of this graph run in ``order``, as Inductor estimates it."""
+        return int(self._estimate_curve(order).max()) if len(order) else 0
 
     def _reorder(self, kernels):
         """The kernel order Inductor runs: of the graph's own order and the orders of
@@ -642,7 +694,7 @@ class GraphMemory:
         life = self._timeline(self.order)
         self.alloc_at = {s: a for s, (a, _) in life.items() if s not in self.inputs}
         self.free_at = {s: f for s, (_, f) in life.items()}
-        self.inplace = {}
+        self.inplace, self.inplace_into = {}, {}
         own = set(self.alloc_at) | set(donated)
         for i, k in enumerate(self.order):
             if self.kind.get(k) == "multi":
@@ -657,7 +709,67 @@ class GraphMemory:
                             and isinstance(sv, torch.Tensor) and sv.dtype == v.dtype
                             and 0.95 * self.size[s] <= self.size[w] <= self.size[s]):
                         self.inplace[s] = i
+                        self.inplace_into[w] = s
                         break
+        self._pool()
+
+    def _pool(self):
+        """Inductor's buffer reuse (PythonWrapperCodegen.memory_plan_reuse): a freed
+        buffer goes to a pool keyed by dtype and storage size instead of being released;
+        a later allocation of that key takes the last one pushed, whose memory stays
+        held in between; one never taken is released where it was freed. Inductor takes
+        it for the next kernel always, further on only if holding it keeps its estimate
+        of the kernels in between (memory.estimate_peak_memory, plus what it already
+        holds) within its estimate of the graph's peak (AllocateLine.
+        should_reuse_buffer). ``held``: bytes held at each step; ``reused``: storage ->
+        the freed one whose memory it takes. Graph inputs are released, never pooled
+        (FreeLine); an extern kernel that returns its own tensor (a fallback, a
+        multi-output op) takes nothing from the pool, but its buffers join it when
+        freed."""
+        import numpy as np
+
+        n = len(self.order)
+        self.held = np.zeros(n, dtype=np.int64)
+        self.reused = {}
+        if not self.fused:  # run as the graph is (aot_eager): no wrapper, no pool
+            return
+        est = self._estimate_curve(self.order)
+        overall = int(est.max()) if n else 0
+        frees = {}
+        for s, f in self.free_at.items():
+            if f is not None and s in self.alloc_at and s not in self.inplace:
+                frees.setdefault(f, []).append(s)
+        pool = {}
+        for i, k in enumerate(self.order):
+            if self._allocates(k):
+                for w in self.writes[k]:
+                    if w in self.inplace_into or self.alloc_at.get(w) != i:
+                        continue
+                    entries = pool.get(self._reuse_key(w))
+                    if not entries:
+                        continue
+                    s, f = entries[-1]
+                    size = self.size[w]
+                    if f + 1 == i or size + int(est[f + 1:i].max(initial=0)) <= overall:
+                        entries.pop()
+                        est[f + 1:i] += size
+                        self.held[f + 1:i] += self.size[s]
+                        self.reused[w] = s
+            for s in sorted(frees.get(i, ()), key=self.index.get):
+                pool.setdefault(self._reuse_key(s), []).append((s, i))
+
+    def _reuse_key(self, s):
+        """Inductor's buffer_reuse_key on one device: dtype and storage size."""
+        v = _val(s)
+        return (getattr(v, "dtype", None), self.size[s])
+
+    def _allocates(self, k) -> bool:
+        """Whether Inductor's wrapper allocates ``k``'s outputs itself (AllocateLine: a
+        generated kernel's buffers, the ``out=`` of a matmul), so they may take pooled
+        memory; an extern kernel that returns its own tensor does not."""
+        if k in self.copies or self.kind.get(k) in ("pointwise", "reduction"):
+            return True
+        return self.kind.get(k) == "extern" and _op_name(k) in OUT_VARIANTS
 
     def curve(self):
         """Bytes this graph holds at each step of its kernel order (its buffers and its
@@ -676,6 +788,7 @@ class GraphMemory:
             elif f is not None:
                 diff[f + 1] -= self.size[s]
         out = np.cumsum(diff[:-1])
+        out[:n] += self.held
         for i, k in enumerate(self.order):
             out[i] += self.scratch.get(k, 0)
         return out
