@@ -597,11 +597,16 @@ void CachingAllocator::free_block(Block* b) {
     release_segment(b);
     return;
   }
+  if (shares_.empty() || !b->segment->vmm) {
+    insert_free(coalesce(b));
+    return;
+  }
+  // Pages of a shared pair this block was on may have no block left but their guards.
   Segment* seg = b->segment;
   const std::size_t page = device_->granularity();
   const std::size_t first = (b->addr - seg->addr) / page, last = (b->addr + b->size - 1 - seg->addr) / page;
   insert_free(coalesce(b));
-  if (!shares_.empty() && seg->vmm) end_idle_shares(seg, first, last);
+  end_idle_shares(seg, first, last);
 }
 
 Block* CachingAllocator::coalesce(Block* b) {
