@@ -1342,11 +1342,8 @@ void* CachingAllocator::allocate_in_hole(std::uintptr_t addr, std::size_t rounde
     throw AllocatorError("allocate_in_hole: invalid size " + std::to_string(requested) +
                          " (rounded " + std::to_string(rounded) + ")");
   }
-  auto it = segments_.upper_bound(addr);
-  if (it == segments_.begin() || addr % kMinBlockSize != 0) return nullptr;
-  Segment* seg = std::prev(it)->second;
-  if (!seg->vmm || seg->arena || addr - seg->addr > seg->size ||
-      rounded > seg->size - (addr - seg->addr)) {
+  Segment* seg = addr % kMinBlockSize == 0 ? segment_of(addr) : nullptr;
+  if (seg == nullptr || rounded > seg->size - (addr - seg->addr)) {
     return nullptr;
   }
   return allocate_range(seg, addr, rounded, requested, stream);
@@ -1396,10 +1393,8 @@ std::size_t CachingAllocator::claim(
   std::size_t claimed = 0;
   for (const auto& [lo, n] : ranges) {
     if (n == 0 || lo % kMinBlockSize != 0 || n % kMinBlockSize != 0) continue;
-    auto it = segments_.upper_bound(lo);
-    if (it == segments_.begin()) continue;
-    Segment* seg = std::prev(it)->second;
-    if (!seg->vmm || seg->arena) continue;
+    Segment* seg = segment_of(lo);
+    if (seg == nullptr) continue;
     Block* b = seg->head;
     while (b != nullptr && b->addr + b->size <= lo) b = b->next;
     const std::uintptr_t hi = lo + n;
