@@ -14,7 +14,9 @@ models in turn, `gpt2_4l_accum3` accumulates gradients over three micro-batches 
 `effnet_b0_ckpt` trains EfficientNet-B0 with pymemplan's checkpoint plan applied (the plan is
 made before recording, on a copy of the model on the meta device). `unet_b6`, `t5_4l`,
 `convnext_t_b4` and `gpt2_4l_bf16` (under bf16 autocast) are architectures and a precision the
-policies had not met before they were recorded. Each verdict carries the page floor: the peak
+policies had not met before they were recorded; so are `gpt2_6l_generate` (inference with a
+growing key/value cache), `llama_4l_lora` (a few projections of a frozen decoder trained) and
+`vit_varbatch` (batches of varying size). Each verdict carries the page floor: the peak
 live bytes rounded up to whole 2 MiB pages, below which no allocator can go.
 Writes benchmarks/results/alloc_replay.json.
 """
@@ -36,8 +38,9 @@ RESULT = HERE / "results" / "alloc_replay.json"
 PAGE = 2 << 20  # the simulated device's granularity, as on current NVIDIA GPUs
 POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache")
 # Traces in which no iteration repeats: every step has a sequence length of its own (see
-# workloads()), so there is no steady state for a plan to reach.
-NO_REPEATED_ITERATION = frozenset({"bert_varlen", "bert_6l_varlen"})
+# workloads()), or every decoding step a longer cache, so there is no steady state for a plan
+# to reach.
+NO_REPEATED_ITERATION = frozenset({"bert_varlen", "bert_6l_varlen", "gpt2_6l_generate"})
 
 
 def _train(make_model, make_batch, steps):
@@ -298,6 +301,59 @@ def workloads():
                 opt.zero_grad(set_to_none=True)
         return run
 
+    def generate(layers, shapes, new_tokens):
+        # Inference: greedy decoding with a key/value cache that grows by one token per step
+        # (each layer's cache is made anew, one token longer, and the old one released), for
+        # batches of several shapes.
+        def run():
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=512, n_head=8, vocab_size=16000,
+                                               n_positions=512)).eval()
+            with torch.no_grad():
+                for batch, prompt in shapes:
+                    ids = torch.randint(0, 16000, (batch, prompt))
+                    model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return run
+
+    def lora_like(batch, seq, layers, steps):
+        # Fine-tuning a few projections of a frozen decoder: gradients and optimizer state for
+        # a small share of the parameters only.
+        def run():
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(
+                hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=16000))
+            for name, p in model.named_parameters():
+                p.requires_grad_("q_proj" in name or "v_proj" in name)
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+            for _ in range(steps):
+                ids = torch.randint(0, 16000, (batch, seq))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return run
+
+    def vit_batches(batches, size):
+        # Batches of varying size (the last batch of an epoch, a sampler that buckets), SGD
+        # with momentum.
+        def run():
+            import torchvision
+
+            torch.manual_seed(0)
+            model = torchvision.models.vit_b_16(num_classes=10, image_size=size)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for b in batches:
+                x = torch.randn(b, 3, size, size)
+                y = torch.randint(0, 10, (b,))
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return run
+
     varlen = [128, 384, 64, 512, 256, 448]
     return {
         "resnet50": (*vision("resnet50", 16), 3),
@@ -326,6 +382,9 @@ def workloads():
         "t5_4l": t5(8, 128, 64, 4, 4),
         "convnext_t_b4": convnext(4, 96, 3),
         "gpt2_4l_bf16": gpt2_autocast(4, 256, 4, 4),
+        "gpt2_6l_generate": generate(6, [(4, 64), (8, 32), (2, 128)], 96),
+        "llama_4l_lora": lora_like(4, 256, 4, 4),
+        "vit_varbatch": vit_batches([8, 6, 8, 4, 8, 6], 112),
     }
 
 
