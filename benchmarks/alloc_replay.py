@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_traces
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_traces, heldout_models
 
 HERE = Path(__file__).resolve().parent
 TRACE_DIR = HERE / "traces"
@@ -216,31 +216,10 @@ def workloads():
         # in diffusion models. The next batch is made before the last one is released, as
         # with a data loader: the input lives a little longer than one iteration.
         def run():
-            from torch import nn
-
-            def block(i, o):
-                return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(8, o), nn.SiLU(),
-                                     nn.Conv2d(o, o, 3, padding=1), nn.GroupNorm(8, o), nn.SiLU())
-
-            class UNet(nn.Module):
-                def __init__(self, c=32):
-                    super().__init__()
-                    self.d1, self.d2, self.d3 = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
-                    self.mid = block(4 * c, 8 * c)
-                    self.u3, self.u2, self.u1 = block(12 * c, 4 * c), block(6 * c, 2 * c), block(3 * c, c)
-                    self.out = nn.Conv2d(c, 3, 1)
-
-                def forward(self, x):
-                    a = self.d1(x)
-                    b = self.d2(F.max_pool2d(a, 2))
-                    c = self.d3(F.max_pool2d(b, 2))
-                    m = self.mid(F.max_pool2d(c, 2))
-                    u = self.u3(torch.cat([F.interpolate(m, scale_factor=2), c], 1))
-                    u = self.u2(torch.cat([F.interpolate(u, scale_factor=2), b], 1))
-                    return self.out(self.u1(torch.cat([F.interpolate(u, scale_factor=2), a], 1)))
+            import heldout_models
 
             torch.manual_seed(0)
-            model = UNet()
+            model = heldout_models.unet()
             opt = torch.optim.Adam(model.parameters(), 1e-4)
             for _ in range(steps):
                 x = torch.randn(batch, 3, size, size)

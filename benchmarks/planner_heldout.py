@@ -1,0 +1,162 @@
+"""The planner on models it was not developed on: predicted peak vs. a real CPU step.
+
+    python benchmarks/planner_heldout.py             # writes results/planner_heldout.json
+    python benchmarks/planner_heldout.py --markdown  # also print the README table
+
+``benchmarks/planner_accuracy.py`` checks the models the planner was built against. These
+are others, each with something those lack: a UNet (GroupNorm, SiLU, upsampling, skip
+concatenations), a T5 encoder-decoder (relative position bias, cross-attention), ConvNeXt-T
+(depthwise convolutions, LayerNorm over channels), Swin-T (shifted windows), a two-layer
+LSTM language model (oneDNN workspaces), and a GPT-2 under bf16 autocast (weights cast in
+the forward pass). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
+probe on, the CPU default) and its steady-state step is then run for real
+(``pymemplan.planner.measure.measure_step``: AdamW's state made by a warm-up step first).
+Random weights; sizes chosen so a real CPU step takes seconds.
+
+Exit status 0 when every prediction is within 0.5% of the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULT = HERE / "results" / "planner_heldout.json"
+TARGET_ERROR = 0.005
+
+
+def workloads():
+    """name -> (description, build); build() returns (model, inputs, loss_fn, autocast)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Loss(nn.Module):
+        # A Hugging Face model called with labels, returning its loss.
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            ids, labels = args if len(args) == 2 else (args[0], args[0])
+            return self.model(input_ids=ids, labels=labels).loss
+
+    def unet():
+        import heldout_models
+
+        x = torch.randn(6, 3, 96, 96)
+        return heldout_models.unet(), (x,), lambda out: F.mse_loss(out, x), None
+
+    def t5():
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        model = T5ForConditionalGeneration(T5Config(
+            d_model=256, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=4,
+            vocab_size=8000, decoder_start_token_id=0, pad_token_id=0))
+        return (Loss(model), (torch.randint(0, 8000, (8, 128)), torch.randint(0, 8000, (8, 64))),
+                None, None)
+
+    def convnext():
+        import torchvision
+
+        y = torch.randint(0, 100, (4,))
+        return (torchvision.models.convnext_tiny(num_classes=100), (torch.randn(4, 3, 96, 96),),
+                lambda out: F.cross_entropy(out, y), None)
+
+    def swin():
+        import torchvision
+
+        y = torch.randint(0, 10, (2,))
+        return (torchvision.models.swin_t(num_classes=10), (torch.randn(2, 3, 112, 112),),
+                lambda out: F.cross_entropy(out, y), None)
+
+    def lstm():
+        model = nn.Sequential(nn.Embedding(5000, 256),
+                              nn.LSTM(256, 512, num_layers=2, batch_first=True))
+        return model, (torch.randint(0, 5000, (16, 64)),), lambda out: out[0].pow(2).mean(), None
+
+    def gpt2_bf16():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=384, n_head=6, vocab_size=8000,
+                                           n_positions=256))
+        return Loss(model), (torch.randint(0, 8000, (4, 256)),), None, torch.bfloat16
+
+    return {
+        "unet": ("UNet (GroupNorm, skip concatenations), batch 6 at 96x96", unet),
+        "t5": ("T5 encoder-decoder, 4 + 4 layers, batch 8, 128 -> 64 tokens", t5),
+        "convnext_tiny": ("ConvNeXt-T, batch 4 at 96x96", convnext),
+        "swin_t": ("Swin-T, batch 2 at 112x112", swin),
+        "lstm_lm": ("embedding + 2-layer LSTM (512), batch 16 x 64", lstm),
+        "gpt2_bf16": ("GPT-2, 4 layers of 384, batch 4 x 256, bf16 autocast", gpt2_bf16),
+    }
+
+
+def measure(name, build) -> dict:
+    import torch
+
+    import pymemplan
+    from pymemplan.planner.measure import measure_step
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, autocast = build()
+    t0 = time.perf_counter()
+    t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+                        device="cpu", autocast=autocast)
+    trace_seconds = time.perf_counter() - t0
+    measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+                            autocast=autocast).peak_bytes
+    error = t.peak_bytes - measured
+    return {"model": name, "predicted_bytes": t.peak_bytes, "measured_bytes": measured,
+            "error_bytes": error, "relative_error": error / measured,
+            "trace_seconds": trace_seconds}
+
+
+def markdown(rows, descriptions) -> str:
+    from pymemplan.units import format_bytes
+
+    lines = ["| model | step (AdamW) | measured peak | pymemplan | error |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {descriptions[r['model']]} | "
+                     f"{format_bytes(r['measured_bytes'])} | {format_bytes(r['predicted_bytes'])} | "
+                     f"{r['error_bytes']:+,} B ({100 * r['relative_error']:+.4f}%) |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    known = workloads()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="*", default=list(known), choices=list(known))
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULT)
+    args = ap.parse_args(argv)
+
+    rows = []
+    for name in args.models:
+        r = measure(name, known[name][1])
+        print(f"{name}: predicted {r['predicted_bytes']:,} B, measured {r['measured_bytes']:,} B "
+              f"({100 * r['relative_error']:+.4f}%)", flush=True)
+        rows.append(r)
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": "python benchmarks/planner_heldout.py",
+        "torch": torch.__version__, "machine": platform.machine(),
+        "target_relative_error": TARGET_ERROR,
+        "descriptions": {n: known[n][0] for n in args.models},
+        "results": rows,
+    }, indent=2) + "\n")
+    if args.markdown:
+        print(markdown(rows, {n: known[n][0] for n in args.models}))
+    print(f"-> {args.out}")
+    return 0 if all(abs(r["relative_error"]) <= TARGET_ERROR for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
