@@ -116,6 +116,29 @@ def test_block_waiting_on_an_event_is_not_handed_out_until_it_completes():
     """)
 
 
+def test_free_whose_stream_event_is_refused_leaves_the_block_allocated_and_intact():
+    # cuEventRecord refuses a stream of another context (a tensor recorded on another GPU's
+    # stream). The free fails, says so, and changes nothing: the block is still allocated
+    # and counted, not lost half-freed; once the event can be recorded, it frees normally.
+    r = run("""
+        s0, s1 = ctypes.c_void_p(0x10), ctypes.c_void_p(0x20)
+        p = alloc(16 * MiB, s0)
+        lib.pymemplan_record_stream(p, s1)
+        before = stats()
+        fake.fakecuda_fail_record_at(1)
+        free(p, s0)
+        after = stats()
+        assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"] > 0
+        assert after["active_bytes.all.current"] == before["active_bytes.all.current"]
+        assert snapshot()["segments"][0]["blocks"][0]["state"] == "active_allocated"
+        free(p, s0)                                   # the event is recorded this time
+        assert stats()["allocated_bytes.all.current"] == 0
+        assert alloc(16 * MiB, s0) == p
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr.count("cuEventRecord failed: CUDA_ERROR_INVALID_HANDLE") == 1, r.stderr
+
+
 def test_oom_ladder_and_message():
     out = ok("""
         ps = [alloc(40 * MiB) for _ in range(6)]       # 240 of 256 MiB
@@ -270,6 +293,43 @@ def test_vmm_maps_pages_on_demand_and_memory_is_usable():
         assert fake.fakecuda_live_handles(0) == 0 and fake.fakecuda_live_mappings() == 0
         assert fake.fakecuda_live_reservations() == 0 and fake.fakecuda_bytes_in_use(0) == 0
     """)
+
+
+def test_vmm_pages_are_open_to_every_peer_that_can_reach_them():
+    # cuMemMap memory is not covered by cudaDeviceEnablePeerAccess: without an access
+    # descriptor per peer, a copy to another GPU or a peer kernel reading the tensor faults.
+    body = """
+        fake.fakecuda_access_mask.restype = ctypes.c_ulonglong
+        fake.fakecuda_access_mask.argtypes = [ctypes.c_void_p]
+        p = lib.pymemplan_alloc(4 * MiB, 1, None)     # on device 1 of three
+        assert p, err()
+        print(fake.fakecuda_access_mask(p), fake.fakecuda_access_mask(p + 3 * MiB))
+        lib.pymemplan_free(p, 0, 1, None)
+    """
+    assert ok(body, policy="pymemplan-vmm", FAKECUDA_DEVICE_COUNT=3).split() == ["7", "7"]
+    # Peers that cannot reach it are left out: only the owner.
+    assert ok(body, policy="pymemplan-vmm", FAKECUDA_DEVICE_COUNT=3,
+              FAKECUDA_PEER_ACCESS=0).split() == ["2", "2"]
+
+
+def test_a_device_without_virtual_memory_still_serves_the_classic_policy():
+    # The driver has the calls, but the device reports no virtual memory management
+    # (some vGPU profiles, WSL): the classic policy must not depend on it, and asking for
+    # virtual memory says what to use instead.
+    out = ok("""
+        p = alloc(3 * MiB)
+        assert p, err()
+        ctypes.memset(p, 5, 3 * MiB)
+        free(p)
+        print(stats()["reserved_bytes.all.current"] > 0)
+    """, FAKECUDA_VMM_SUPPORTED=0)
+    assert out.split() == ["True"]
+    for policy in ("pymemplan-vmm", "pymemplan-planned"):
+        out = ok("""
+            assert not alloc(3 * MiB)
+            print(err())
+        """, policy=policy, FAKECUDA_VMM_SUPPORTED=0)
+        assert "no virtual memory support" in out and "vmm:False" in out
 
 
 def test_vmm_stitches_freed_pages_into_a_larger_request():

@@ -214,18 +214,27 @@ void* CachingAllocator::try_malloc(std::int64_t size, StreamId stream) {
 void CachingAllocator::free(void* ptr) {
   std::lock_guard<std::mutex> lock(mutex_);
   Block* b = block_at(ptr, "free");
+  // torch: insert_events(): the block stays active until work queued on every stream that
+  // used it (as of now) has finished. The events are recorded before anything changes: if
+  // the device refuses one, the block stays allocated and the error propagates.
+  std::vector<EventHandle> events;
+  try {
+    for (StreamId s : b->stream_uses) {
+      events.push_back(get_event());
+      device_->record_event(events.back(), s);
+    }
+  } catch (...) {
+    for (EventHandle e : events) return_event(e);
+    throw;
+  }
   b->allocated = false;
   const bool small = b->segment->small;
   update_stat(&Stats::allocation, small, -1);
   update_stat(&Stats::allocated_bytes, small, -static_cast<std::int64_t>(b->size));
   update_stat(&Stats::requested_bytes, small, -static_cast<std::int64_t>(b->requested));
   if (b->size >= config_.max_split_size) stats_.oversize_allocations.decrease(1);
-  if (!b->stream_uses.empty()) {
-    // torch: insert_events(): the block stays active until work queued on every stream
-    // that used it (as of now) has finished.
-    for (StreamId s : b->stream_uses) {
-      EventHandle e = get_event();
-      device_->record_event(e, s);
+  if (!events.empty()) {
+    for (EventHandle e : events) {
       pending_.push_back({e, b, 0, 0});
       ++b->pending_events;
     }

@@ -42,10 +42,36 @@ CudaDevice::CudaDevice(int ordinal) : driver_(Driver::get()), ordinal_(ordinal) 
   prop_.type = 1;           // CU_MEM_ALLOCATION_TYPE_PINNED
   prop_.location.type = 1;  // CU_MEM_LOCATION_TYPE_DEVICE
   prop_.location.id = device_;
-  if (driver_.has_vmm()) {
+  vmm_ = driver_.has_vmm();
+  if (vmm_ && driver_.cuDeviceGetAttribute != nullptr) {
+    int supported = 1;
+    if (driver_.cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                     device_) == CUDA_SUCCESS &&
+        supported == 0) {
+      vmm_ = false;
+    }
+  }
+  if (vmm_) {
+    // A device that cannot say its granularity has no usable virtual memory; the policies
+    // without it still work on it.
     std::size_t g = 0;
-    driver_.check(driver_.cuMemGetAllocationGranularity(&g, &prop_, 0), "cuMemGetAllocationGranularity");
-    if (g != 0) granularity_ = g;
+    if (driver_.cuMemGetAllocationGranularity(&g, &prop_, 0) == CUDA_SUCCESS && g != 0) {
+      granularity_ = g;
+    } else {
+      vmm_ = false;
+    }
+  }
+  if (vmm_) {
+    access_.push_back({prop_.location, 3});  // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    for (int other = 0; other < count && driver_.cuDeviceCanAccessPeer != nullptr; ++other) {
+      CUdevice peer = 0;
+      int can = 0;
+      if (other == ordinal || driver_.cuDeviceGet(&peer, other) != CUDA_SUCCESS) continue;
+      // Whether `peer` can access memory on this device.
+      if (driver_.cuDeviceCanAccessPeer(&can, peer, device_) == CUDA_SUCCESS && can != 0) {
+        access_.push_back({{1, peer}, 3});
+      }
+    }
   }
 }
 
@@ -139,10 +165,7 @@ void CudaDevice::map_page(void* addr, PageHandle page) {
   driver_.check(driver_.cuMemMap(device_ptr(addr), granularity_, 0,
                                  static_cast<CUmemGenericAllocationHandle>(page), 0),
                 "cuMemMap");
-  CUmemAccessDesc access{};
-  access.location = prop_.location;
-  access.flags = 3;  // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-  const CUresult r = driver_.cuMemSetAccess(device_ptr(addr), granularity_, &access, 1);
+  const CUresult r = driver_.cuMemSetAccess(device_ptr(addr), granularity_, access_.data(), access_.size());
   if (r != CUDA_SUCCESS) {
     driver_.cuMemUnmap(device_ptr(addr), granularity_);  // leave nothing half-mapped
     driver_.check(r, "cuMemSetAccess");

@@ -3,6 +3,8 @@
 // runtime, and so PyTorch, uses) and restores the caller's context afterwards.
 #pragma once
 
+#include <vector>
+
 #include "../core/device.hpp"
 #include "cuda_driver.hpp"
 
@@ -29,7 +31,8 @@ class CudaDevice : public Device {
   bool query_event(EventHandle event) override;
   void synchronize_event(EventHandle event) override;
 
-  bool supports_vmm() const override { return driver_.has_vmm(); }
+  // The driver has the calls and this device supports them (vGPU profiles and WSL may not).
+  bool supports_vmm() const override { return vmm_; }
   void* reserve_address(std::size_t bytes) override;
   void release_address(void* ptr, std::size_t bytes) override;
   PageHandle create_page() override;  // 0 on CUDA_ERROR_OUT_OF_MEMORY
@@ -38,7 +41,7 @@ class CudaDevice : public Device {
   void unmap_page(void* addr) override;
   // Page sharing: cuCtxSynchronize, and cuMemcpyDtoD followed by one (the copy may return
   // before it completes). cuCtxSynchronize fails during a CUDA graph capture.
-  bool supports_page_sharing() const override { return driver_.has_page_sharing(); }
+  bool supports_page_sharing() const override { return vmm_ && driver_.has_page_sharing(); }
   void synchronize_device() override;
   void copy(void* dst, const void* src, std::size_t bytes) override;
 
@@ -54,6 +57,10 @@ class CudaDevice : public Device {
   std::size_t capacity_ = 0;
   std::size_t granularity_ = std::size_t{2} << 20;
   cuda::CUmemAllocationProp prop_{};
+  bool vmm_ = false;
+  // Who may read and write a mapped page: this device, and every peer that can reach it
+  // (cuMemMap memory is not covered by cudaDeviceEnablePeerAccess, unlike cuMemAlloc's).
+  std::vector<cuda::CUmemAccessDesc> access_;
 };
 
 }  // namespace pymemplan

@@ -66,6 +66,8 @@ Driver load() {
   resolve(lib, gpa, d.cuEventQuery, "cuEventQuery", "cuEventQuery", path);
   resolve(lib, gpa, d.cuEventSynchronize, "cuEventSynchronize", "cuEventSynchronize", path);
   resolve(lib, gpa, d.cuGetErrorName, "cuGetErrorName", "cuGetErrorName", path);
+  resolve_optional(lib, gpa, d.cuDeviceGetAttribute, "cuDeviceGetAttribute", "cuDeviceGetAttribute");
+  resolve_optional(lib, gpa, d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", "cuDeviceCanAccessPeer");
   resolve_optional(lib, gpa, d.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",
                    "cuMemGetAllocationGranularity");
   resolve_optional(lib, gpa, d.cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve");

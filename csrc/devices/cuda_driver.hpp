@@ -43,6 +43,7 @@ constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x2;
+constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
 
 // The resolved entry points. Loaded once per process; load() throws DeviceError naming the
 // library and the missing symbol when the driver cannot be used.
@@ -63,6 +64,10 @@ struct Driver {
   CUresult (*cuEventQuery)(CUevent) = nullptr;
   CUresult (*cuEventSynchronize)(CUevent) = nullptr;
   CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+  // Optional: without them every device counts as having virtual memory where the driver
+  // has the calls, and no peer gets access to its pages.
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice) = nullptr;
+  CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
   // Virtual memory management: optional, null when the driver lacks it.
   CUresult (*cuMemGetAllocationGranularity)(std::size_t*, const CUmemAllocationProp*, int) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,

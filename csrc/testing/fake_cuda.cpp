@@ -58,6 +58,7 @@ constexpr CUresult CUDA_ERROR_INVALID_CONTEXT = 201;
 constexpr CUresult CUDA_ERROR_INVALID_HANDLE = 400;
 constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
 
 constexpr int kDriverVersion = 12040;
 constexpr int kMaxDevices = 64;
@@ -99,6 +100,7 @@ struct Handle {
 struct Mapping {
   std::size_t bytes;
   CUmemGenericAllocationHandle handle;
+  unsigned long long access = 0;  // bit d: device d may read or write (cuMemSetAccess)
 };
 
 struct Settings {
@@ -106,9 +108,12 @@ struct Settings {
   std::size_t capacity = kDefaultCapacity;
   int fail_alloc_countdown = 0;  // 0: disarmed
   int fail_create_countdown = 0;
+  int fail_record_countdown = 0;  // cuEventRecord: CUDA_ERROR_INVALID_HANDLE, as for a stream of another context
   int fail_error = CUDA_ERROR_OUT_OF_MEMORY;
   int event_delay = 0;
   bool manual_events = false;
+  bool vmm_supported = true;  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+  bool peer_access = true;    // cuDeviceCanAccessPeer between distinct devices
 };
 
 struct State {
@@ -262,6 +267,11 @@ CUresult read_environment(Settings& st) {
   int manual = next.manual_events ? 1 : 0;
   int_var("FAKECUDA_MANUAL_EVENTS", &manual, 0, 1);
   next.manual_events = manual != 0;
+  int vmm = next.vmm_supported ? 1 : 0, peers = next.peer_access ? 1 : 0;
+  int_var("FAKECUDA_VMM_SUPPORTED", &vmm, 0, 1);
+  int_var("FAKECUDA_PEER_ACCESS", &peers, 0, 1);
+  next.vmm_supported = vmm != 0;
+  next.peer_access = peers != 0;
   if (next.fail_alloc_countdown < 0) next.fail_alloc_countdown = 0;
   if (next.fail_create_countdown < 0) next.fail_create_countdown = 0;
   if (!ok) return CUDA_ERROR_INVALID_VALUE;
@@ -415,6 +425,25 @@ FAKECUDA_DRIVER CUresult cuDeviceGet(CUdevice* device, int ordinal) {
   return CUDA_SUCCESS;
 }
 
+FAKECUDA_DRIVER CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice device) {
+  State& s = state();
+  REQUIRE_INIT(s);
+  if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (!valid_device(s, device)) return CUDA_ERROR_INVALID_DEVICE;
+  if (attribute != 102) return CUDA_ERROR_INVALID_VALUE;  // only VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+  *value = s.settings.vmm_supported ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
+FAKECUDA_DRIVER CUresult cuDeviceCanAccessPeer(int* can, CUdevice device, CUdevice peer) {
+  State& s = state();
+  REQUIRE_INIT(s);
+  if (can == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (!valid_device(s, device) || !valid_device(s, peer)) return CUDA_ERROR_INVALID_DEVICE;
+  *can = device != peer && s.settings.peer_access ? 1 : 0;
+  return CUDA_SUCCESS;
+}
+
 FAKECUDA_DRIVER CUresult cuDeviceTotalMem_v2(std::size_t* bytes, CUdevice device) {
   State& s = state();
   REQUIRE_INIT(s);
@@ -549,6 +578,7 @@ FAKECUDA_DRIVER CUresult cuEventRecord(CUevent event, CUstream stream) {
   State& s = state();
   REQUIRE_INIT(s);
   if (s.events.count(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  if (injected_failure(s.settings.fail_record_countdown)) return CUDA_ERROR_INVALID_HANDLE;
   event->stream = stream;
   event->manual = s.settings.manual_events;
   event->queries_left = s.settings.event_delay;
@@ -648,6 +678,7 @@ FAKECUDA_DRIVER CUresult cuMemGetAllocationGranularity(std::size_t* granularity,
   if (granularity == nullptr || prop == nullptr || (option != 0 && option != 1)) {
     return CUDA_ERROR_INVALID_VALUE;
   }
+  if (!s.settings.vmm_supported) return CUDA_ERROR_NOT_SUPPORTED;
   *granularity = kGranularity;
   return CUDA_SUCCESS;
 }
@@ -699,6 +730,7 @@ FAKECUDA_DRIVER CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, std::
       size % kGranularity != 0) {
     return CUDA_ERROR_INVALID_VALUE;
   }
+  if (!s.settings.vmm_supported) return CUDA_ERROR_NOT_SUPPORTED;
   MemAllocationProp p;
   std::memcpy(&p, prop, sizeof p);
   if (p.type != 1 || p.location.type != 1) return CUDA_ERROR_INVALID_VALUE;
@@ -798,6 +830,7 @@ FAKECUDA_DRIVER CUresult cuMemSetAccess(CUdeviceptr ptr, std::size_t size, const
     return CUDA_ERROR_INVALID_VALUE;
   }
   int prot = PROT_NONE;
+  unsigned long long granted = 0;
   for (std::size_t i = 0; i < count; ++i) {
     MemAccessDesc d;
     std::memcpy(&d, static_cast<const char*>(desc) + i * sizeof d, sizeof d);
@@ -806,9 +839,13 @@ FAKECUDA_DRIVER CUresult cuMemSetAccess(CUdeviceptr ptr, std::size_t size, const
     if (d.flags == 1) prot |= PROT_READ;
     else if (d.flags == 3) prot |= PROT_READ | PROT_WRITE;
     else if (d.flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (d.flags != 0) granted |= 1ULL << d.location.id;
   }
   if (!fully_mapped(s, base, size)) return CUDA_ERROR_INVALID_VALUE;
   if (mprotect(reinterpret_cast<void*>(base), size, prot) != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (auto it = s.mappings.find(base); it != s.mappings.end() && it->first < base + size; ++it) {
+    it->second.access = granted;
+  }
   return CUDA_SUCCESS;
 }
 
@@ -836,6 +873,8 @@ const Entry* find_entry(const char* symbol) {
       FAKECUDA_ENTRY("cuDeviceGetCount", cuDeviceGetCount),
       FAKECUDA_ENTRY("cuDeviceGet", cuDeviceGet),
       FAKECUDA_ENTRY("cuDeviceTotalMem", cuDeviceTotalMem_v2),
+      FAKECUDA_ENTRY("cuDeviceGetAttribute", cuDeviceGetAttribute),
+      FAKECUDA_ENTRY("cuDeviceCanAccessPeer", cuDeviceCanAccessPeer),
       FAKECUDA_ENTRY("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain),
       FAKECUDA_ENTRY("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2),
       FAKECUDA_ENTRY("cuCtxGetCurrent", cuCtxGetCurrent),
@@ -925,6 +964,12 @@ void fakecuda_fail_alloc_error(int code) {
   s.settings.fail_error = code;
 }
 
+void fakecuda_fail_record_at(int n) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.settings.fail_record_countdown = n > 0 ? n : 0;
+}
+
 void fakecuda_fail_create_at(int n) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -1011,6 +1056,28 @@ int fakecuda_live_handles(int device) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   return device >= 0 && device < kMaxDevices ? s.live_handles[device] : 0;
+}
+
+void fakecuda_set_vmm_supported(int on) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.settings.vmm_supported = on != 0;
+}
+
+void fakecuda_set_peer_access(int on) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.settings.peer_access = on != 0;
+}
+
+unsigned long long fakecuda_access_mask(const void* ptr) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = s.mappings.upper_bound(addr);
+  if (it == s.mappings.begin()) return 0;
+  --it;
+  return addr < it->first + it->second.bytes ? it->second.access : 0;
 }
 
 int fakecuda_live_mappings(void) {

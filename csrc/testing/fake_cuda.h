@@ -21,6 +21,8 @@
  *   FAKECUDA_FAIL_CREATE_AT   as fakecuda_fail_create_at
  *   FAKECUDA_EVENT_DELAY      as fakecuda_set_event_delay
  *   FAKECUDA_MANUAL_EVENTS    as fakecuda_set_manual_events (0 or 1)
+ *   FAKECUDA_VMM_SUPPORTED    as fakecuda_set_vmm_supported (0 or 1; default 1)
+ *   FAKECUDA_PEER_ACCESS      as fakecuda_set_peer_access (0 or 1; default 1)
  *
  * Capacity is a budget: bytes are counted exactly as requested (cuMemAlloc sizes and
  * cuMemCreate sizes, per device), and host memory is touched only when written.
@@ -58,6 +60,9 @@ FAKECUDA_API void fakecuda_fail_alloc_at(int n);
 FAKECUDA_API void fakecuda_fail_alloc_error(int code);
 /* The same for cuMemCreate: the n-th call from now fails once. n <= 0 disarms. */
 FAKECUDA_API void fakecuda_fail_create_at(int n);
+/* The n-th cuEventRecord call from now fails once with CUDA_ERROR_INVALID_HANDLE, as the
+ * driver answers for a stream of another context (another device). n <= 0 disarms. */
+FAKECUDA_API void fakecuda_fail_record_at(int n);
 
 /* Each event recorded from now on reports CUDA_ERROR_NOT_READY for its first k queries,
  * then CUDA_SUCCESS (k = 0: complete as soon as recorded). */
@@ -90,6 +95,15 @@ FAKECUDA_API long long fakecuda_bytes_copied(void);
  * mapped ranges, address reservations not yet freed. */
 FAKECUDA_API int fakecuda_live_handles(int device);
 FAKECUDA_API int fakecuda_live_mappings(void);
+/* Devices allowed to access the mapped range holding ptr, one bit per device (bit d: device d),
+ * as the last cuMemSetAccess over it set them; 0 if ptr is not mapped. */
+FAKECUDA_API unsigned long long fakecuda_access_mask(const void* ptr);
+/* on == 0: the devices report no virtual memory management
+ * (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0), and cuMemCreate and
+ * cuMemGetAllocationGranularity return CUDA_ERROR_NOT_SUPPORTED, as on some vGPU profiles. */
+FAKECUDA_API void fakecuda_set_vmm_supported(int on);
+/* on == 0: cuDeviceCanAccessPeer reports that no device can access another's memory. */
+FAKECUDA_API void fakecuda_set_peer_access(int on);
 FAKECUDA_API int fakecuda_live_reservations(void);
 /* Retain count of a device's primary context (cuDevicePrimaryCtxRetain minus Release). */
 FAKECUDA_API int fakecuda_primary_ctx_refcount(int device);
