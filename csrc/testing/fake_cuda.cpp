@@ -843,9 +843,9 @@ FAKECUDA_DRIVER CUresult cuMemSetAccess(CUdeviceptr ptr, std::size_t size, const
   }
   if (!fully_mapped(s, base, size)) return CUDA_ERROR_INVALID_VALUE;
   if (mprotect(reinterpret_cast<void*>(base), size, prot) != 0) return CUDA_ERROR_INVALID_VALUE;
-  for (auto it = s.mappings.find(base); it != s.mappings.end() && it->first < base + size; ++it) {
-    it->second.access = granted;
-  }
+  auto it = s.mappings.upper_bound(base);
+  if (it != s.mappings.begin()) --it;  // the mapping holding base (fully_mapped checked it)
+  for (; it != s.mappings.end() && it->first < base + size; ++it) it->second.access = granted;
   return CUDA_SUCCESS;
 }
 
