@@ -139,6 +139,26 @@ def test_free_whose_stream_event_is_refused_leaves_the_block_allocated_and_intac
     assert r.stderr.count("cuEventRecord failed: CUDA_ERROR_INVALID_HANDLE") == 1, r.stderr
 
 
+def test_record_stream_with_another_gpus_stream_waits_on_that_stream():
+    # cuEventRecord takes only an event of the stream's own context: an event of the block's
+    # device cannot be recorded on device 1's stream. One is made in that stream's context,
+    # and the block waits on it like on any other.
+    r = run("""
+        fake.fakecuda_stream_create.restype = ctypes.c_void_p
+        fake.fakecuda_set_manual_events(1)
+        s0 = ctypes.c_void_p(fake.fakecuda_stream_create(0))
+        s1 = ctypes.c_void_p(fake.fakecuda_stream_create(1))
+        p = alloc(16 * MiB, s0)
+        lib.pymemplan_record_stream(p, s1)
+        free(p, s0)
+        assert snapshot()["segments"][0]["blocks"][0]["state"] == "active_pending_free"
+        assert alloc(16 * MiB, s0) != p               # device 1's stream may still use it
+        fake.fakecuda_complete_stream(s1)
+        assert alloc(16 * MiB, s0) == p
+    """, FAKECUDA_DEVICE_COUNT=2)
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+
+
 def test_oom_ladder_and_message():
     out = ok("""
         ps = [alloc(40 * MiB) for _ in range(6)]       # 240 of 256 MiB

@@ -10,10 +10,11 @@ using namespace cuda;
 
 class CudaDevice::InContext {
  public:
-  explicit InContext(const CudaDevice& d) : driver_(d.driver_) {
+  explicit InContext(const CudaDevice& d) : InContext(d.driver_, d.context_) {}
+  InContext(const Driver& driver, CUcontext context) : driver_(driver) {
     driver_.check(driver_.cuCtxGetCurrent(&previous_), "cuCtxGetCurrent");
-    if (previous_ != d.context_) {
-      driver_.check(driver_.cuCtxSetCurrent(d.context_), "cuCtxSetCurrent");
+    if (previous_ != context) {
+      driver_.check(driver_.cuCtxSetCurrent(context), "cuCtxSetCurrent");
       switched_ = true;
     }
   }
@@ -100,28 +101,75 @@ EventHandle CudaDevice::create_event() {
 }
 
 void CudaDevice::destroy_event(EventHandle event) {
+  {
+    std::lock_guard<std::mutex> lock(foreign_mutex_);
+    auto it = foreign_.find(event);
+    if (it != foreign_.end()) {
+      InContext in(driver_, it->second.context);
+      driver_.cuEventDestroy(it->second.event);  // best effort: the handle goes either way
+      foreign_.erase(it);
+    }
+  }
   InContext in(*this);
   driver_.check(driver_.cuEventDestroy(reinterpret_cast<CUevent>(event)), "cuEventDestroy");
 }
 
 void CudaDevice::record_event(EventHandle event, StreamId stream) {
+  const auto s = reinterpret_cast<CUstream>(stream);
+  if (record_foreign(event, s)) return;
   InContext in(*this);
-  driver_.check(driver_.cuEventRecord(reinterpret_cast<CUevent>(event),
-                                      reinterpret_cast<CUstream>(stream)),
-                "cuEventRecord");
+  driver_.check(driver_.cuEventRecord(reinterpret_cast<CUevent>(event), s), "cuEventRecord");
+}
+
+bool CudaDevice::record_foreign(EventHandle event, CUstream stream) {
+  // 0 is the legacy default stream and 0x1 / 0x2 the legacy and per-thread handles: they are
+  // resolved in the current context, which is this device's here.
+  CUcontext context = nullptr;
+  if (reinterpret_cast<std::uintptr_t>(stream) > 2 && driver_.cuStreamGetCtx != nullptr) {
+    InContext in(*this);
+    if (driver_.cuStreamGetCtx(stream, &context) != CUDA_SUCCESS) context = nullptr;
+  }
+  std::lock_guard<std::mutex> lock(foreign_mutex_);
+  auto it = foreign_.find(event);
+  if (context == nullptr || context == context_) {
+    if (it != foreign_.end()) it->second.active = false;  // recorded natively from now on
+    return false;
+  }
+  Foreign& f = foreign_[event];
+  InContext in(driver_, context);
+  if (f.event != nullptr && f.context != context) {
+    driver_.cuEventDestroy(f.event);  // best effort: made in a context now left behind
+    f.event = nullptr;
+  }
+  if (f.event == nullptr) {
+    driver_.check(driver_.cuEventCreate(&f.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  }
+  f.context = context;
+  driver_.check(driver_.cuEventRecord(f.event, stream), "cuEventRecord");
+  f.active = true;
+  return true;
+}
+
+CudaDevice::Foreign CudaDevice::active_foreign(EventHandle event) {
+  std::lock_guard<std::mutex> lock(foreign_mutex_);
+  auto it = foreign_.find(event);
+  if (it != foreign_.end() && it->second.active) return it->second;
+  return Foreign{reinterpret_cast<CUevent>(event), context_, false};
 }
 
 bool CudaDevice::query_event(EventHandle event) {
-  InContext in(*this);
-  const CUresult r = driver_.cuEventQuery(reinterpret_cast<CUevent>(event));
+  const Foreign f = active_foreign(event);
+  InContext in(driver_, f.context);
+  const CUresult r = driver_.cuEventQuery(f.event);
   if (r == CUDA_ERROR_NOT_READY) return false;
   driver_.check(r, "cuEventQuery");
   return true;
 }
 
 void CudaDevice::synchronize_event(EventHandle event) {
-  InContext in(*this);
-  driver_.check(driver_.cuEventSynchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize");
+  const Foreign f = active_foreign(event);
+  InContext in(driver_, f.context);
+  driver_.check(driver_.cuEventSynchronize(f.event), "cuEventSynchronize");
 }
 
 }  // namespace pymemplan

@@ -3,6 +3,8 @@
 // runtime, and so PyTorch, uses) and restores the caller's context afterwards.
 #pragma once
 
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "../core/device.hpp"
@@ -48,7 +50,19 @@ class CudaDevice : public Device {
   int ordinal() const { return ordinal_; }
 
  private:
-  class InContext;  // RAII: makes this device's context current for one call
+  class InContext;  // RAII: makes a context current for one call
+  // An event that must be recorded on a stream of another context (record_stream with
+  // another GPU's stream): cuEventRecord takes only events of the stream's own context, so
+  // the handle handed out by create_event stands for one made there.
+  struct Foreign {
+    cuda::CUevent event = nullptr;
+    cuda::CUcontext context = nullptr;
+    bool active = false;  // its last record_event went to the foreign event
+  };
+  bool record_foreign(EventHandle event, cuda::CUstream stream);
+  // The event to query or wait on for `event`, and its context: the foreign one standing
+  // for it, or itself in this device's context.
+  Foreign active_foreign(EventHandle event);
 
   const cuda::Driver& driver_;
   int ordinal_;
@@ -61,6 +75,8 @@ class CudaDevice : public Device {
   // Who may read and write a mapped page: this device, and every peer that can reach it
   // (cuMemMap memory is not covered by cudaDeviceEnablePeerAccess, unlike cuMemAlloc's).
   std::vector<cuda::CUmemAccessDesc> access_;
+  std::mutex foreign_mutex_;
+  std::unordered_map<EventHandle, Foreign> foreign_;
 };
 
 }  // namespace pymemplan

@@ -68,6 +68,7 @@ Driver load() {
   resolve(lib, gpa, d.cuGetErrorName, "cuGetErrorName", "cuGetErrorName", path);
   resolve_optional(lib, gpa, d.cuDeviceGetAttribute, "cuDeviceGetAttribute", "cuDeviceGetAttribute");
   resolve_optional(lib, gpa, d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", "cuDeviceCanAccessPeer");
+  resolve_optional(lib, gpa, d.cuStreamGetCtx, "cuStreamGetCtx", "cuStreamGetCtx");
   resolve_optional(lib, gpa, d.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",
                    "cuMemGetAllocationGranularity");
   resolve_optional(lib, gpa, d.cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve");

@@ -68,6 +68,8 @@ struct Driver {
   // has the calls, and no peer gets access to its pages.
   CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice) = nullptr;
   CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
+  // Optional: without it every stream counts as one of the device's own context.
+  CUresult (*cuStreamGetCtx)(CUstream, CUcontext*) = nullptr;
   // Virtual memory management: optional, null when the driver lacks it.
   CUresult (*cuMemGetAllocationGranularity)(std::size_t*, const CUmemAllocationProp*, int) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,

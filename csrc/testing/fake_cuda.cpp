@@ -40,6 +40,7 @@ struct CUctx_st {
 };
 
 struct CUevent_st {
+  CUctx_st* ctx = nullptr;  // current when it was created: it records only on that context's streams
   bool pending = false;   // recorded and not yet complete
   bool manual = false;    // completes only when completed explicitly
   int queries_left = 0;   // NOT_READY answers still owed (not manual)
@@ -132,6 +133,10 @@ struct State {
   long long bytes_copied = 0;
   std::map<std::uintptr_t, Allocation> allocations;
   std::unordered_set<CUevent_st*> events;
+  // Streams made by fakecuda_stream_create, with their device. Any other non-null value is
+  // taken for a stream of the current context, so tests may name streams by any pointer.
+  std::unordered_map<CUstream, int> stream_device;
+  std::uintptr_t next_stream = 0x5eed0000;
   std::map<std::uintptr_t, std::size_t> reservations;
   std::map<std::uintptr_t, Mapping> mappings;
   std::unordered_map<CUmemGenericAllocationHandle, Handle> handles;
@@ -196,6 +201,7 @@ void reset_locked(State& s) {
   s.handles.clear();
   for (CUevent_st* e : s.events) delete e;
   s.events.clear();
+  s.stream_device.clear();
   s.settings = Settings();
   s.initialized = false;
   ++s.generation;
@@ -561,6 +567,7 @@ FAKECUDA_DRIVER CUresult cuEventCreate(CUevent* event, unsigned int flags) {
   REQUIRE_INIT(s);
   if (event == nullptr || (flags & ~kEventFlagsMask) != 0) return CUDA_ERROR_INVALID_VALUE;
   auto* e = new CUevent_st();
+  e->ctx = current_context(s);
   s.events.insert(e);
   *event = e;
   return CUDA_SUCCESS;
@@ -579,6 +586,12 @@ FAKECUDA_DRIVER CUresult cuEventRecord(CUevent event, CUstream stream) {
   REQUIRE_INIT(s);
   if (s.events.count(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
   if (injected_failure(s.settings.fail_record_countdown)) return CUDA_ERROR_INVALID_HANDLE;
+  // "hEvent and hStream must be from the same context otherwise CUDA_ERROR_INVALID_HANDLE"
+  auto bound = s.stream_device.find(stream);
+  if (bound != s.stream_device.end() && event->ctx != nullptr &&
+      event->ctx != &s.contexts[bound->second]) {
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
   event->stream = stream;
   event->manual = s.settings.manual_events;
   event->queries_left = s.settings.event_delay;
@@ -605,6 +618,15 @@ FAKECUDA_DRIVER CUresult cuEventSynchronize(CUevent event) {
   REQUIRE_INIT(s);
   if (s.events.count(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
   complete(event);
+  return CUDA_SUCCESS;
+}
+
+FAKECUDA_DRIVER CUresult cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
+  State& s = state();
+  REQUIRE_INIT(s);
+  if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto bound = s.stream_device.find(stream);
+  *ctx = bound != s.stream_device.end() ? &s.contexts[bound->second] : current_context(s);
   return CUDA_SUCCESS;
 }
 
@@ -889,6 +911,7 @@ const Entry* find_entry(const char* symbol) {
       FAKECUDA_ENTRY("cuEventQuery", cuEventQuery),
       FAKECUDA_ENTRY("cuEventSynchronize", cuEventSynchronize),
       FAKECUDA_ENTRY("cuStreamSynchronize", cuStreamSynchronize),
+      FAKECUDA_ENTRY("cuStreamGetCtx", cuStreamGetCtx),
       FAKECUDA_ENTRY("cuCtxSynchronize", cuCtxSynchronize),
       FAKECUDA_ENTRY("cuMemcpyDtoD", cuMemcpyDtoD_v2),
       FAKECUDA_ENTRY("cuGetErrorName", cuGetErrorName),
@@ -962,6 +985,16 @@ void fakecuda_fail_alloc_error(int code) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.settings.fail_error = code;
+}
+
+void* fakecuda_stream_create(int device) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  auto* stream = reinterpret_cast<CUstream>(s.next_stream);
+  s.next_stream += 16;
+  s.stream_device[stream] = device;
+  return stream;
 }
 
 void fakecuda_fail_record_at(int n) {

@@ -63,6 +63,11 @@ FAKECUDA_API void fakecuda_fail_create_at(int n);
 /* The n-th cuEventRecord call from now fails once with CUDA_ERROR_INVALID_HANDLE, as the
  * driver answers for a stream of another context (another device). n <= 0 disarms. */
 FAKECUDA_API void fakecuda_fail_record_at(int n);
+/* A stream of `device`'s primary context (an opaque handle, nothing runs on it).
+ * cuStreamGetCtx reports that context for it, and cuEventRecord refuses, with
+ * CUDA_ERROR_INVALID_HANDLE, an event created in another context, as the driver does.
+ * Any other stream value counts as a stream of the calling thread's current context. */
+FAKECUDA_API void* fakecuda_stream_create(int device);
 
 /* Each event recorded from now on reports CUDA_ERROR_NOT_READY for its first k queries,
  * then CUDA_SUCCESS (k = 0: complete as soon as recorded). */
