@@ -332,6 +332,19 @@ def test_vmm_pages_are_open_to_every_peer_that_can_reach_them():
               FAKECUDA_PEER_ACCESS=0).split() == ["2", "2"]
 
 
+def test_vmm_pages_are_rdma_capable_where_the_device_supports_it():
+    # As PyTorch's expandable segments: NCCL can then register the pages with the NIC. Where
+    # the device cannot, asking for it would fail cuMemCreate, so it is not asked.
+    body = """
+        p = alloc(4 * MiB)
+        assert p, err()
+        print(fake.fakecuda_rdma_capable(ctypes.c_void_p(p)))
+        free(p)
+    """
+    assert ok(body, policy="pymemplan-vmm", FAKECUDA_RDMA_VMM=1).split() == ["1"]
+    assert ok(body, policy="pymemplan-vmm").split() == ["0"]
+
+
 def test_a_device_without_virtual_memory_still_serves_the_classic_policy():
     # The driver has the calls, but the device reports no virtual memory management
     # (some vGPU profiles, WSL): the classic policy must not depend on it, and asking for

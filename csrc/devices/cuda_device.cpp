@@ -52,6 +52,16 @@ CudaDevice::CudaDevice(int ordinal) : driver_(Driver::get()), ordinal_(ordinal) 
       vmm_ = false;
     }
   }
+  if (vmm_ && driver_.cuDeviceGetAttribute != nullptr) {
+    // Pages that NICs can read and write directly (NCCL buffer registration), as PyTorch's
+    // expandable segments make them; asking where the device cannot fails cuMemCreate.
+    int rdma = 0;
+    if (driver_.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                                     device_) == CUDA_SUCCESS &&
+        rdma == 1) {
+      prop_.allocFlags.gpuDirectRDMACapable = 1;
+    }
+  }
   if (vmm_) {
     // A device that cannot say its granularity has no usable virtual memory; the policies
     // without it still work on it.

@@ -76,7 +76,13 @@ struct MemAllocationProp {
   int type;  // CU_MEM_ALLOCATION_TYPE_PINNED = 1
   int requestedHandleTypes;
   MemLocation location;
-  // win32HandleMetaData and allocFlags follow; not read.
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
 };
 struct MemAccessDesc {
   MemLocation location;
@@ -96,6 +102,7 @@ struct Handle {
   int device;
   int mappings = 0;
   bool released = false;
+  bool rdma = false;  // made with allocFlags.gpuDirectRDMACapable
 };
 
 struct Mapping {
@@ -115,6 +122,7 @@ struct Settings {
   bool manual_events = false;
   bool vmm_supported = true;  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
   bool peer_access = true;    // cuDeviceCanAccessPeer between distinct devices
+  bool rdma_vmm = false;      // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
 };
 
 struct State {
@@ -276,6 +284,9 @@ CUresult read_environment(Settings& st) {
   int vmm = next.vmm_supported ? 1 : 0, peers = next.peer_access ? 1 : 0;
   int_var("FAKECUDA_VMM_SUPPORTED", &vmm, 0, 1);
   int_var("FAKECUDA_PEER_ACCESS", &peers, 0, 1);
+  int rdma = next.rdma_vmm ? 1 : 0;
+  int_var("FAKECUDA_RDMA_VMM", &rdma, 0, 1);
+  next.rdma_vmm = rdma != 0;
   next.vmm_supported = vmm != 0;
   next.peer_access = peers != 0;
   if (next.fail_alloc_countdown < 0) next.fail_alloc_countdown = 0;
@@ -436,8 +447,13 @@ FAKECUDA_DRIVER CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevic
   REQUIRE_INIT(s);
   if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (!valid_device(s, device)) return CUDA_ERROR_INVALID_DEVICE;
-  if (attribute != 102) return CUDA_ERROR_INVALID_VALUE;  // only VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
-  *value = s.settings.vmm_supported ? 1 : 0;
+  if (attribute == 102) {  // VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+    *value = s.settings.vmm_supported ? 1 : 0;
+  } else if (attribute == 110) {  // GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    *value = s.settings.vmm_supported && s.settings.rdma_vmm ? 1 : 0;
+  } else {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   return CUDA_SUCCESS;
 }
 
@@ -758,6 +774,8 @@ FAKECUDA_DRIVER CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, std::
   if (p.type != 1 || p.location.type != 1) return CUDA_ERROR_INVALID_VALUE;
   const int device = p.location.id;
   if (!valid_device(s, device)) return CUDA_ERROR_INVALID_DEVICE;
+  // Asking for GPUDirect RDMA where the device cannot (integrated GPUs) fails the call.
+  if (p.allocFlags.gpuDirectRDMACapable != 0 && !s.settings.rdma_vmm) return CUDA_ERROR_INVALID_VALUE;
   if (injected_failure(s.settings.fail_create_countdown)) return s.settings.fail_error;
   if (!has_room(s, device, size)) return CUDA_ERROR_OUT_OF_MEMORY;
   const int fd = memfd_create("fakecuda", MFD_CLOEXEC);
@@ -768,6 +786,7 @@ FAKECUDA_DRIVER CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, std::
   }
   const CUmemGenericAllocationHandle id = s.next_handle++;
   s.handles[id] = Handle{fd, size, device};
+  s.handles[id].rdma = p.allocFlags.gpuDirectRDMACapable != 0;
   s.bytes_in_use[device] += size;
   ++s.live_handles[device];
   *handle = id;
@@ -1101,6 +1120,18 @@ void fakecuda_set_peer_access(int on) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.settings.peer_access = on != 0;
+}
+
+int fakecuda_rdma_capable(const void* ptr) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = s.mappings.upper_bound(addr);
+  if (it == s.mappings.begin()) return -1;
+  --it;
+  if (addr >= it->first + it->second.bytes) return -1;
+  auto h = s.handles.find(it->second.handle);
+  return h == s.handles.end() ? -1 : (h->second.rdma ? 1 : 0);
 }
 
 unsigned long long fakecuda_access_mask(const void* ptr) {

@@ -23,6 +23,8 @@
  *   FAKECUDA_MANUAL_EVENTS    as fakecuda_set_manual_events (0 or 1)
  *   FAKECUDA_VMM_SUPPORTED    as fakecuda_set_vmm_supported (0 or 1; default 1)
  *   FAKECUDA_PEER_ACCESS      as fakecuda_set_peer_access (0 or 1; default 1)
+ *   FAKECUDA_RDMA_VMM         1: the devices report GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+ *                             (default 0: cuMemCreate then refuses allocFlags.gpuDirectRDMACapable)
  *
  * Capacity is a budget: bytes are counted exactly as requested (cuMemAlloc sizes and
  * cuMemCreate sizes, per device), and host memory is touched only when written.
@@ -103,6 +105,9 @@ FAKECUDA_API int fakecuda_live_mappings(void);
 /* Devices allowed to access the mapped range holding ptr, one bit per device (bit d: device d),
  * as the last cuMemSetAccess over it set them; 0 if ptr is not mapped. */
 FAKECUDA_API unsigned long long fakecuda_access_mask(const void* ptr);
+/* 1 if the physical handle mapped at ptr was made with allocFlags.gpuDirectRDMACapable,
+ * 0 if not, -1 if ptr is not mapped. */
+FAKECUDA_API int fakecuda_rdma_capable(const void* ptr);
 /* on == 0: the devices report no virtual memory management
  * (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0), and cuMemCreate and
  * cuMemGetAllocationGranularity return CUDA_ERROR_NOT_SUPPORTED, as on some vGPU profiles. */
