@@ -256,6 +256,40 @@ def test_oom_message_reports_sizes_and_leaves_state_intact():
     check_invariants(a, dev, live)
 
 
+def test_last_error_is_the_callers_own_even_when_another_thread_failed_since():
+    # The plugin reads the message after try_malloc has let go of the lock: a request that
+    # failed on another thread meanwhile must not replace the caller's own message. (malloc
+    # leaves it as try_malloc does.)
+    for policy in ("pymemplan", "pymemplan-vmm", "pymemplan-planned"):
+        dev, a = make(policy, capacity=64 * MiB)
+        failed, other_failed = threading.Event(), threading.Event()
+        seen = {}
+
+        def first():
+            with pytest.raises(_core.OutOfMemoryError):
+                a.malloc(100 * MiB)
+            failed.set()
+            other_failed.wait(5)
+            seen["first"] = a.last_error
+
+        def second():
+            failed.wait(5)
+            with pytest.raises(_core.OutOfMemoryError):
+                a.malloc(300 * MiB)
+            seen["second"] = a.last_error
+            other_failed.set()
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert "tried to allocate 100.00 MiB" in seen["first"], (policy, seen)
+        assert "tried to allocate 300.00 MiB" in seen["second"], (policy, seen)
+        # A thread that made no failed request reads the latest failure of any thread.
+        assert "tried to allocate 300.00 MiB" in a.last_error
+
+
 def test_oom_message_names_fragmentation_when_free_blocks_are_too_small():
     dev, a = make("torch", capacity=40 * MiB)
     ps = [a.malloc(4 * MiB) for _ in range(10)]  # two 20 MiB segments, fully used

@@ -3,6 +3,7 @@
 #include "allocator.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <sstream>
 
@@ -39,6 +40,16 @@ std::string to_hex(std::uintptr_t addr) {
   return s.str();
 }
 
+
+// The message of the last failed request, per thread and allocator: a caller that reads it
+// after its own try_malloc failed gets its own message, never that of a request another
+// thread made meanwhile (the plugin reads it outside the allocator's lock). Keyed by an id
+// no later allocator reuses, as its address could be.
+std::unordered_map<std::uint64_t, std::string>& thread_errors() {
+  thread_local std::unordered_map<std::uint64_t, std::string> errors;
+  return errors;
+}
+std::atomic<std::uint64_t> next_allocator_id{1};
 }  // namespace
 
 CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config)
@@ -55,6 +66,7 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, PolicyConfig 
 }
 
 CachingAllocator::~CachingAllocator() {
+  thread_errors().erase(id_);
   // The allocator's memory is going away with it: wait for queued work, return everything.
   try {
     for (auto& p : pending_) device_->synchronize_event(p.event);
@@ -180,6 +192,14 @@ bool CachingAllocator::acceptable(const Block* block, std::size_t rounded) const
 // ---------------------------------------------------------------------------------------------
 // Public entry points
 
+
+std::uint64_t CachingAllocator::next_id() { return next_allocator_id.fetch_add(1); }
+
+void CachingAllocator::set_last_error(std::string message) {
+  thread_errors()[id_] = message;
+  last_error_ = std::move(message);
+}
+
 void* CachingAllocator::malloc(std::int64_t size, StreamId stream) {
   std::string message;
   Block* b;
@@ -190,7 +210,7 @@ void* CachingAllocator::malloc(std::int64_t size, StreamId stream) {
                            ": the size must be a positive number of bytes");
     }
     b = allocate_locked(static_cast<std::size_t>(size), stream, &message);
-    if (b == nullptr) last_error_ = message;
+    if (b == nullptr) set_last_error(message);
   }
   if (b == nullptr) throw OutOfMemoryError(message);
   return reinterpret_cast<void*>(b->addr);
@@ -205,7 +225,7 @@ void* CachingAllocator::try_malloc(std::int64_t size, StreamId stream) {
   std::string message;
   Block* b = allocate_locked(static_cast<std::size_t>(size), stream, &message);
   if (b == nullptr) {
-    last_error_ = std::move(message);
+    set_last_error(std::move(message));
     return nullptr;
   }
   return reinterpret_cast<void*>(b->addr);
@@ -308,6 +328,9 @@ void CachingAllocator::reset_accumulated_stats() {
 }
 
 std::string CachingAllocator::last_error() const {
+  const auto& errors = thread_errors();
+  const auto own = errors.find(id_);
+  if (own != errors.end()) return own->second;
   std::lock_guard<std::mutex> lock(mutex_);
   return last_error_;
 }

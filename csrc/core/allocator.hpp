@@ -281,7 +281,10 @@ class CachingAllocator : public Allocator {
   std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
   std::int64_t grow_mark_ = 0;     // see set_grow_mark: reserved_hwm_ unless lowered
   Stats stats_;
-  std::string last_error_;
+  std::string last_error_;  // of any thread; last_error() prefers the calling thread's own
+  const std::uint64_t id_ = next_id();
+  void set_last_error(std::string message);  // under mutex_
+  static std::uint64_t next_id();
 };
 
 }  // namespace pymemplan

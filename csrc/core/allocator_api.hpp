@@ -37,6 +37,8 @@ class Allocator {
   virtual void reset_peak_stats() = 0;
   virtual void reset_accumulated_stats() = 0;
   virtual std::vector<SegmentInfo> snapshot() const = 0;
+  // The message of the calling thread's last failed request (of any thread's, if it made
+  // none).
   virtual std::string last_error() const = 0;
   virtual std::size_t round_size(std::size_t size) const = 0;
   virtual std::string policy_name() const = 0;
