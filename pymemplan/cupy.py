@@ -53,6 +53,10 @@ def _out_of_memory(cupy: Any, size: int, device: int, message: str) -> BaseExcep
     return error
 
 
+# cudaStreamPerThread: one handle that means each calling thread's own default stream.
+_PER_THREAD_STREAM = 0x2
+
+
 def allocator() -> Callable[[int], Any]:
     """The function CuPy calls for memory: size -> cupy.cuda.MemoryPointer from pymemplan."""
     cupy = _import_cupy()
@@ -63,6 +67,13 @@ def allocator() -> Callable[[int], Any]:
         if size == 0:  # the plugin gives no memory for 0 bytes, and CuPy needs none
             return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
         stream = cupy.cuda.get_current_stream().ptr
+        if stream == _PER_THREAD_STREAM:
+            raise RuntimeError(
+                "pymemplan.cupy: CuPy is using the per-thread default stream "
+                "(CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1). Its handle is the same in every "
+                "thread, so the pool could hand a block freed by one thread to another while "
+                "the first thread's kernels still use it. Unset that variable, or run on "
+                "streams of your own (with cupy.cuda.Stream(): ...).")
         ptr = lib.pymemplan_try_alloc(size, device, stream or None)
         if not ptr:
             message = _library.last_error()

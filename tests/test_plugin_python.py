@@ -510,4 +510,15 @@ def test_cupy_allocates_from_the_pool():
             raise AssertionError("no OOM")
         except OutOfMemoryError as e:
             assert str(e).startswith("pymemplan: out of memory"), e
+
+        # CuPy's per-thread default stream is one handle for every thread's own stream: the
+        # pool cannot tell them apart, so it refuses it rather than share blocks unsafely.
+        cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=2)
+        before = pymemplan.memory_allocated()
+        try:
+            malloc(MiB)
+            raise AssertionError("per-thread default stream accepted")
+        except RuntimeError as e:
+            assert "CUPY_CUDA_PER_THREAD_DEFAULT_STREAM" in str(e), e
+        assert pymemplan.memory_allocated() == before
     """)
