@@ -507,10 +507,14 @@ void PlannedAllocator::stop_serving() {
 
 void PlannedAllocator::disarm() {
   stop_serving();
+  if (arena_ == 0) return;
   // Without virtual memory an idle arena holds its whole size: it goes back now (a plan that
-  // arms again gets a new one). With virtual memory its idle pages go back as the pool needs
-  // them (the grow mark).
-  if (!config_.pool.vmm && arena_ != 0 && !pool_->arena_in_use(arena_)) {
+  // arms again gets a new one). With virtual memory an idle arena costs nothing (its pages go
+  // back as the pool needs them, the grow mark); but one whose planned blocks are still live
+  // keeps their pages mapped, and best fit never searches it: the pool would grow around free
+  // space it cannot use (a new shape mid-iteration). Its free space joins the pool instead.
+  const bool in_use = pool_->arena_in_use(arena_);
+  if (config_.pool.vmm == in_use) {
     pool_->retire_arena(arena_);
     arena_ = 0;
     arena_size_ = 0;
