@@ -111,3 +111,92 @@ def two_streams(seed: int = 2, iterations: int = 6) -> Trace:
 
 
 ALL = {t.__name__: t for t in (many_sizes, grow_shrink, two_streams)}
+
+
+def random_training(seed: int) -> Trace:
+    """A training run drawn at random from the shapes real loops take, for measuring the
+    policies on workloads nobody tuned them for. Drawn per seed:
+    - depth, tensor sizes (log-normal around a scale of 1 to 64 MiB), activations kept per
+      layer, temporaries;
+    - the optimizer: SGD, SGD with momentum or Adam, its state made lazily in the first step
+      (as torch.optim does), gradients kept across steps or freed after each step;
+    - how steps vary: not at all, a batch size drawn from a few, a sequence length drawn
+      anew each step, or ragged: a third of the layers get sizes drawn anew each step (tokens
+      routed to experts, boxes kept by detection), the rest repeat;
+    - loop habits: the next batch made before the last one is released (a prefetching data
+      loader), the output kept until the next step replaces it (a loop variable), gradient
+      buckets reduced on a second stream."""
+    rng = np.random.default_rng(seed)
+    p = _Program(f"random_training_{seed}")
+    scale = float(np.exp(rng.uniform(np.log(1 * MiB), np.log(64 * MiB))))
+
+    def draw(n: int, spread: float, factor: float = 1.0) -> list[int]:
+        return [max(512, int(rng.lognormal(np.log(scale * factor), spread))) for _ in range(n)]
+
+    layers = int(rng.integers(6, 49))
+    kept_per_layer = int(rng.integers(1, 4))
+    acts = draw(layers * kept_per_layer, 0.8)
+    temps = draw(layers, 1.0)
+    weights = draw(layers * int(rng.integers(1, 4)), 1.2, 0.5)
+    states = int(rng.choice([0, 1, 2]))  # SGD, momentum, Adam
+    keep_grads = bool(rng.random() < 0.5)
+    varies = rng.choice(["fixed", "batch", "seqlen", "ragged"], p=[0.4, 0.2, 0.2, 0.2])
+    ragged = rng.random(layers) < 1 / 3
+    batches = rng.choice([0.5, 0.75, 1.0, 1.25, 1.5], size=3, replace=False)
+    prefetch = bool(rng.random() < 0.3)
+    keep_output = bool(rng.random() < 0.3)
+    comm_stream = 1 if rng.random() < 0.15 else None
+    steps = int(rng.integers(3, 8))
+
+    for w in weights:
+        p.alloc(w)
+    grads: list[int] = []
+    state: list[int] = []
+    prev_input = prev_output = None
+    for step in range(steps):
+        s = 1.0 if varies in ("fixed", "ragged") else (
+            float(rng.choice(batches)) if varies == "batch" else float(rng.uniform(0.4, 1.6)))
+        layer_s = [s * float(rng.uniform(0.5, 1.5)) if varies == "ragged" and r else s for r in ragged]
+        x = p.alloc(max(512, int(scale * s)))
+        if prev_input is not None:
+            p.free(prev_input)
+        kept = []
+        for i, t in enumerate(temps):
+            tmp = p.alloc(max(512, int(t * layer_s[i])))
+            for j in range(kept_per_layer):
+                kept.append(p.alloc(max(512, int(acts[i * kept_per_layer + j] * layer_s[i]))))
+            p.free(tmp)
+        out = p.alloc(max(512, int(scale * s * 2)))
+        if prev_output is not None:
+            p.free(prev_output)
+        bucket: list[int] = []
+        for i in reversed(range(len(kept))):
+            g = p.alloc(max(512, int(acts[i] * layer_s[i // kept_per_layer])))
+            p.free(kept[i])
+            if i % kept_per_layer == 0 and not (keep_grads and grads):
+                # this layer's parameter gradients, as autograd makes them
+                layer = i // kept_per_layer
+                for w in weights[layer::layers]:
+                    grads.append(p.alloc(w))
+                    bucket.append(w)
+            if comm_stream is not None and (sum(bucket) >= 16 * scale or i == 0) and bucket:
+                buf = p.alloc(sum(bucket), stream=comm_stream)
+                p.free(buf, stream=comm_stream)
+                bucket = []
+            p.free(g)
+        if step == 0:
+            state = [p.alloc(w) for w in weights for _ in range(states)]
+        for w in weights[: max(1, len(weights) // 4)]:  # the optimizer's temporaries
+            p.free(p.alloc(w))
+        if not keep_grads:
+            for g in grads:
+                p.free(g)
+            grads = []
+        prev_input = x if prefetch else None
+        if not prefetch:
+            p.free(x)
+        if keep_output:
+            prev_output = out
+        else:
+            p.free(out)
+    return p.trace()
