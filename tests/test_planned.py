@@ -853,6 +853,28 @@ def test_recorded_traces_never_above_torch():
         assert planned.peak_reserved_bytes <= torch.peak_reserved_bytes, Path(path).name
 
 
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6))
+def test_random_training_loops_never_above_torch_and_plans_cost_at_most_their_slack(seed):
+    """Training loops drawn at random (benchmarks/alloc_random.py draws 200): the vmm policies
+    hold no more than PyTorch's allocator, and a plan at most what the pool alone holds, or
+    its plan_slack (1%) over the live bytes, give or take two pages of layout."""
+    import sys
+
+    from pymemplan.traces import replay
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from synthetic_traces import random_training
+
+    trace = random_training(seed)
+    res = {r.policy: r for r in replay(trace, [POLICY, "pymemplan-vmm", "torch"])}
+    live = res["torch"].peak_live_bytes
+    vmm, planned, torch = (res[k].peak_reserved_bytes for k in ("pymemplan-vmm", POLICY, "torch"))
+    assert all(r.ooms == 0 for r in res.values())
+    assert vmm <= torch and planned <= torch, (seed, vmm / live, planned / live, torch / live)
+    assert planned <= max(vmm, 1.01 * live) + 4 * MiB, (seed, vmm / live, planned / live)
+
+
 def test_threads_share_one_allocator():
     """The allocator releases the GIL in malloc/free: threads running their own loops hit its
     one mutex concurrently; the state stays consistent."""
