@@ -151,7 +151,6 @@ def random_training(seed: int) -> Trace:
     for w in weights:
         p.alloc(w)
     grads: list[int] = []
-    state: list[int] = []
     prev_input = prev_output = None
     for step in range(steps):
         s = 1.0 if varies in ("fixed", "ragged") else (
@@ -184,8 +183,10 @@ def random_training(seed: int) -> Trace:
                 p.free(buf, stream=comm_stream)
                 bucket = []
             p.free(g)
-        if step == 0:
-            state = [p.alloc(w) for w in weights for _ in range(states)]
+        if step == 0:  # the optimizer's state, made at its first step, alive to the end
+            for w in weights:
+                for _ in range(states):
+                    p.alloc(w)
         for w in weights[: max(1, len(weights) // 4)]:  # the optimizer's temporaries
             p.free(p.alloc(w))
         if not keep_grads:
