@@ -7,7 +7,7 @@ reserved / peak live per policy, and every seed where a policy of ours holds mor
 PyTorch's allocator, or plan-guided placement more than the virtual-memory pool it runs over
 (a plan must never make memory worse).
 
-    python benchmarks/alloc_random.py              # 200 seeds, about a minute
+    python benchmarks/alloc_random.py              # 200 seeds, about 10 s
     python benchmarks/alloc_random.py --seeds 1000
 
 Writes benchmarks/results/alloc_random.json.
