@@ -282,6 +282,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("arms", num(arms_));
   put("arm_refusals", num(arm_refusals_));
   put("refinements", num(refinements_));
+  put("remakes", num(remakes_));
   put("marks", num(marks_));
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
@@ -326,14 +327,21 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     slot = match_plan(rounded, stream, &crossed);
     if (crossed && slot != nullptr) {
       // A new pass began with this request. boundary() may pack the plan as it arms (the
-      // slot then gets its offset), or replace it (refine), freeing its slots: then the slot
-      // as it was matched serves.
+      // slot then gets its offset), or make it again (refine, remake), freeing its slots: the
+      // new plan, which lays out the arena from now on, serves this request then.
       const std::size_t plan = active_, index = static_cast<std::size_t>(slot - plans_[plan].slots.data());
       const std::uint64_t plan_id = plans_[plan].id;
       matched = *slot;
       slot = &matched;
       boundary();
-      if (active_ == plan && plans_[plan].id == plan_id) slot = &plans_[plan].slots[index];
+      if (active_ == plan && plans_[plan].id == plan_id) {
+        slot = &plans_[plan].slots[index];
+      } else if (active_ == plan) {
+        // Made again from the pass that just ended: its offsets are the arena's layout now,
+        // and its cursor is at this request.
+        bool again = false;
+        slot = match_plan(rounded, stream, &again);
+      }
     } else if (crossed) {
       boundary();
     }
@@ -443,10 +451,26 @@ void PlannedAllocator::boundary() {
   // validates the plan; a validated plan that is not armed yet arms now.
   at_cut_ = false;
   Plan& p = plans_[active_];
+  const std::uint64_t n = base_ + events_.size();
+  const std::uint64_t pass_start = pass_start_;
+  pass_start_ = n;
   p.passed_over = pass_skipped_bytes_ * kArmShare > p.bound[0];
   if (pass_matches_ > 0 && pass_miss_bytes_ * kArmShare <= p.bound[0] && !p.passed_over) {
     p.validated = true;
   }
+  // Every request of the pass matched, yet the pass took another number of events than the
+  // plan's period: the window the plan was made from held one-off events that it now skips at
+  // each pass (the first step's optimizer state and gradients, or a window that paired the
+  // parameters with the optimizer state made in their image). The pass is then the iteration
+  // as it repeats, and the plan is made again from it, if the events that end it also ended
+  // the stretch one pass earlier: where one-off slots lie at the cut, a pass may begin a few
+  // events late, and is not the period.
+  const std::uint64_t pass = pass_start == kNever ? 0 : n - pass_start;
+  const std::uint64_t w = std::min<std::uint64_t>(config_.match_window, pass);
+  const bool stale = pass_matches_ > 0 && pass_miss_bytes_ == 0 && !p.passed_over &&
+                     pass != p.period && pass >= config_.min_period &&
+                     pass <= config_.max_period && n >= base_ + pass + w &&
+                     range_hash(n - w, n) == range_hash(n - pass - w, n - pass);
   const std::size_t unplanned = pass_unplanned_bytes_;
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
@@ -466,10 +490,15 @@ void PlannedAllocator::boundary() {
     ++arm_refusals_;
     return;
   }
-  if (armed_ && unplanned * kArmShare > p.bound[0]) {
+  if (stale && (arena_ == 0 || !pool_->arena_in_use(arena_))) {
+    // (Blocks the old plan placed that are still alive would sit on the new layout's ranges:
+    // then the next pass is judged instead.)
+    refine(static_cast<std::size_t>(pass));
+    ++remakes_;
+  } else if (armed_ && unplanned * kArmShare > p.bound[0]) {
     // Requests whose lifetime was unknown when the plan was made went to the pool; the pass
     // that just ended knows them all: make the plan again from it, and arm it now.
-    refine();
+    refine(p.period);
     ++refinements_;
   }
   if (!armed_ && plans_[active_].validated) arm(0);
@@ -521,12 +550,11 @@ void PlannedAllocator::disarm() {
   }
 }
 
-void PlannedAllocator::refine() {
+void PlannedAllocator::refine(std::size_t period) {
   const std::uint64_t n = base_ + events_.size();
-  const std::size_t period = plans_[active_].period;
   if (n - base_ < period) return;
   std::vector<std::size_t> lifetimes;
-  coverage(n, period, &lifetimes);
+  if (coverage(n, period, &lifetimes) < kMinCoverage) return;
   build_plan(n, period, lifetimes, active_);
 }
 
@@ -1067,6 +1095,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     active_ = replace;
     cursor_ = cursor;
     at_cut_ = false;
+    pass_start_ = kNever;  // the new cut may lie elsewhere: the next pass is measured from it
     return;
   }
   if (plans_.size() >= config_.max_plans) {
@@ -1126,6 +1155,7 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   cursor_ = cursor;
   at_cut_ = cursor == 0;
   ever_diverged_ = false;
+  pass_start_ = kNever;
   Plan& p = plans_[index];
   p.last_used = allocs_;
   pass_matches_ = 0;

@@ -56,7 +56,12 @@
 //   (which lets detection re-plan). Mismatched bytes above 1/16 of the bound in a pass disarm
 //   the plan (its idle pages go back as the pool needs them). A pass in which slots without a
 //   lifetime went to the pool (more than 1/32 of the bound) makes the plan again from that
-//   pass, where every lifetime is known ("refinement").
+//   pass, where every lifetime is known ("refinement"). A pass that matched every request but
+//   took another number of events than the plan's period (its window held one-off events of
+//   the first step, which each pass skips) makes the plan again from that pass, with the
+//   pass's length as its period ("remake"), if the events that end the pass also ended the
+//   stretch one pass earlier and no block the old plan placed is still alive. Either way, the
+//   request that starts the next pass is served from the plan as made again.
 // - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
 //   index it: after a mismatch, or while no plan is armed, the last kPrefix requests select the
@@ -279,7 +284,8 @@ class PlannedAllocator : public Allocator {
   // cut is at the mark, and the plan is validated at once.
   void build_plan(std::uint64_t n, std::size_t period, const std::vector<std::size_t>& lifetimes,
                   std::size_t replace = kNoOffset, bool at_mark = false);
-  void refine();
+  // Makes the active plan again from the last `period` events (the pass that just ended).
+  void refine(std::size_t period);
   // Lifetimes unknown when the plan was made (allocations still alive then) that are known
   // now: their slots get blocks. Only while the plan's window is in the history.
   void refresh(Plan& p);
@@ -318,6 +324,7 @@ class PlannedAllocator : public Allocator {
   std::size_t pass_miss_bytes_ = 0;  // bytes of requests not matched since then
   std::size_t pass_unplanned_bytes_ = 0;  // bytes of matched slots the plan had no offset for
   std::size_t pass_skipped_bytes_ = 0;    // bytes of planned slots passed over to match
+  std::uint64_t pass_start_ = kNever;     // event index of the pass's first request
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
@@ -329,6 +336,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t plan_hits_ = 0, fallbacks_ = 0, slot_busy_ = 0, divergences_ = 0;
   std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0, arm_refusals_ = 0;
   std::uint64_t refinements_ = 0;
+  std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
   std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes
