@@ -459,17 +459,17 @@ void PlannedAllocator::boundary() {
     p.validated = true;
   }
   // Every request of the pass matched, yet the pass took another number of events than the
-  // plan's period: the window the plan was made from held one-off events that it now skips at
-  // each pass (the first step's optimizer state and gradients, or a window that paired the
-  // parameters with the optimizer state made in their image). The pass is then the iteration
-  // as it repeats, and the plan is made again from it, if the events that end it also ended
-  // the stretch one pass earlier: where one-off slots lie at the cut, a pass may begin a few
-  // events late, and is not the period.
+  // plan's period: the window the plan was made from held one-off events that it now passes
+  // over at each pass (the first step's optimizer state and gradients, or a window that paired
+  // the parameters with the optimizer state made in their image). The pass is then the
+  // iteration as it repeats, and the plan is made again from it, if the events that end it
+  // also ended the stretch one pass earlier: where one-off slots lie at the cut, a pass may
+  // begin a few events late, and is not the period.
   const std::uint64_t pass = pass_start == kNever ? 0 : n - pass_start;
   const std::uint64_t w = std::min<std::uint64_t>(config_.match_window, pass);
-  const bool stale = pass_matches_ > 0 && pass_miss_bytes_ == 0 && !p.passed_over &&
-                     pass != p.period && pass >= config_.min_period &&
-                     pass <= config_.max_period && n >= base_ + pass + w &&
+  const bool stale = pass_matches_ > 0 && pass_miss_bytes_ == 0 && pass != p.period &&
+                     pass >= config_.min_period && pass <= config_.max_period &&
+                     n >= base_ + pass + w &&
                      range_hash(n - w, n) == range_hash(n - pass - w, n - pass);
   const std::size_t unplanned = pass_unplanned_bytes_;
   pass_matches_ = 0;
@@ -495,9 +495,10 @@ void PlannedAllocator::boundary() {
     // then the next pass is judged instead.)
     refine(static_cast<std::size_t>(pass));
     ++remakes_;
-  } else if (armed_ && unplanned * kArmShare > p.bound[0]) {
+  } else if (armed_ && unplanned * kArmShare > p.bound[0] && (pass == 0 || pass == p.period)) {
     // Requests whose lifetime was unknown when the plan was made went to the pool; the pass
-    // that just ended knows them all: make the plan again from it, and arm it now.
+    // that just ended knows them all: make the plan again from it, and arm it now (not from a
+    // pass of another length, which the plan's period does not describe).
     refine(p.period);
     ++refinements_;
   }
