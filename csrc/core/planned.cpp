@@ -406,6 +406,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   e.stream = stream;
   e.alloc = true;
   const std::uint64_t g = record_event(e);
+  if (out == nullptr) pass_failed_ = true;  // its free will not come: the pass is cut short
   if (out != nullptr) {
     live_.emplace(reinterpret_cast<std::uintptr_t>(out), Live{id, g, size});
     live_bytes_ += static_cast<std::int64_t>(size);
@@ -467,11 +468,12 @@ void PlannedAllocator::boundary() {
   // begin a few events late, and is not the period.
   const std::uint64_t pass = pass_start == kNever ? 0 : n - pass_start;
   const std::uint64_t w = std::min<std::uint64_t>(config_.match_window, pass);
-  const bool stale = pass_matches_ > 0 && pass_miss_bytes_ == 0 && pass != p.period &&
-                     pass >= config_.min_period && pass <= config_.max_period &&
-                     n >= base_ + pass + w &&
+  const bool stale = pass_matches_ > 0 && pass_miss_bytes_ == 0 && !pass_failed_ &&
+                     pass != p.period && pass >= config_.min_period &&
+                     pass <= config_.max_period && n >= base_ + pass + w &&
                      range_hash(n - w, n) == range_hash(n - pass - w, n - pass);
   const std::size_t unplanned = pass_unplanned_bytes_;
+  pass_failed_ = false;
   pass_matches_ = 0;
   pass_miss_bytes_ = 0;
   pass_unplanned_bytes_ = 0;
@@ -1157,6 +1159,7 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   at_cut_ = cursor == 0;
   ever_diverged_ = false;
   pass_start_ = kNever;
+  pass_failed_ = false;
   Plan& p = plans_[index];
   p.last_used = allocs_;
   pass_matches_ = 0;

@@ -325,6 +325,7 @@ class PlannedAllocator : public Allocator {
   std::size_t pass_unplanned_bytes_ = 0;  // bytes of matched slots the plan had no offset for
   std::size_t pass_skipped_bytes_ = 0;    // bytes of planned slots passed over to match
   std::uint64_t pass_start_ = kNever;     // event index of the pass's first request
+  bool pass_failed_ = false;              // a request of the pass could not be served (OOM)
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;

@@ -326,6 +326,7 @@ PYBIND11_MODULE(_core, m) {
         d["iterations"] = r.iterations;
         d["plan_hits"] = r.plan_hits;
         d["plan_fallbacks"] = r.plan_fallbacks;
+        d["plan_remakes"] = r.plan_remakes;
         d["plan_hole_hits"] = r.plan_hole_hits;
         d["page_shares"] = r.page_shares;
         return d;

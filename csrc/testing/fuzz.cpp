@@ -66,6 +66,7 @@ class Fuzzer {
         if (k == "plan_hits") r_.plan_hits = static_cast<std::uint64_t>(v);
         if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);
         if (k == "hole_hits") r_.plan_hole_hits = static_cast<std::uint64_t>(v);
+        if (k == "remakes") r_.plan_remakes = static_cast<std::uint64_t>(v);
       }
     }
     return r_;
@@ -82,6 +83,7 @@ class Fuzzer {
     StreamId stream;
   };
   static constexpr std::size_t kCarry = 3;  // blocks freed early in the next iteration
+  static constexpr std::size_t kKept = std::size_t{1} << 40;  // keys of blocks no program frees
 
   std::vector<ProgramOp> make_program() {
     // A training-like iteration: allocations mostly freed in reverse order (activations),
@@ -139,6 +141,16 @@ class Fuzzer {
       } else if (dice == 3 && current_.size() > 2) {
         const std::size_t a = rng_() % current_.size(), b = rng_() % current_.size();
         std::swap(current_[a], current_[b]);  // may free before allocating: skipped then
+      }
+      if (r_.iterations == 1) {
+        // The first iteration also makes what later ones keep, as an optimizer makes its state
+        // at its first step: blocks in the image of the program's first allocations, never
+        // freed by a program. A plan found in a window holding them is made again later.
+        std::size_t made = 0;
+        for (std::size_t i = 0; i < programs_[which_].size() && made < 16; ++i) {
+          const ProgramOp& op = programs_[which_][i];
+          if (op.alloc) current_.push_back({true, kKept + made++, op.size, 0});
+        }
       }
       pc_ = 0;
     }
