@@ -492,9 +492,7 @@ void PlannedAllocator::boundary() {
     ++arm_refusals_;
     return;
   }
-  if (stale && (arena_ == 0 || !pool_->arena_in_use(arena_))) {
-    // (Blocks the old plan placed that are still alive would sit on the new layout's ranges:
-    // then the next pass is judged instead.)
+  if (stale) {
     refine(static_cast<std::size_t>(pass));
     ++remakes_;
   } else if (armed_ && unplanned * kArmShare > p.bound[0] && (pass == 0 || pass == p.period)) {

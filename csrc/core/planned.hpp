@@ -60,8 +60,9 @@
 //   took another number of events than the plan's period (its window held one-off events of
 //   the first step, which each pass skips) makes the plan again from that pass, with the
 //   pass's length as its period ("remake"), if the events that end the pass also ended the
-//   stretch one pass earlier, no request of the pass failed (its free would be missing) and no
-//   block the old plan placed is still alive. Either way, the
+//   stretch one pass earlier and no request of the pass failed (its free would be missing);
+//   a block the old plan placed that is still alive keeps its range, and a request the new
+//   layout puts there goes to the pool. Either way, the
 //   request that starts the next pass is served from the plan as made again.
 // - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
