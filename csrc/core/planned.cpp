@@ -495,10 +495,9 @@ void PlannedAllocator::boundary() {
   if (stale) {
     refine(static_cast<std::size_t>(pass));
     ++remakes_;
-  } else if (armed_ && unplanned * kArmShare > p.bound[0] && (pass == 0 || pass == p.period)) {
+  } else if (armed_ && unplanned * kArmShare > p.bound[0]) {
     // Requests whose lifetime was unknown when the plan was made went to the pool; the pass
-    // that just ended knows them all: make the plan again from it, and arm it now (not from a
-    // pass of another length, which the plan's period does not describe).
+    // that just ended knows them all: make the plan again from it, and arm it now.
     refine(p.period);
     ++refinements_;
   }

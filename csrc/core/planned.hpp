@@ -60,10 +60,10 @@
 //   took another number of events than the plan's period (its window held one-off events of
 //   the first step, which each pass skips) makes the plan again from that pass, with the
 //   pass's length as its period ("remake"), if the events that end the pass also ended the
-//   stretch one pass earlier and no request of the pass failed (its free would be missing);
-//   a block the old plan placed that is still alive keeps its range, and a request the new
-//   layout puts there goes to the pool. Either way, the
-//   request that starts the next pass is served from the plan as made again.
+//   stretch one pass earlier and no request of the pass failed (its free would be missing).
+//   A block the old plan placed that is still alive keeps its range, and a request the new
+//   layout puts there goes to the pool. After a refinement or a remake, the request that
+//   starts the next pass is served from the plan as made again.
 // - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
 //   index it: after a mismatch, or while no plan is armed, the last kPrefix requests select the
