@@ -283,6 +283,8 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("arm_refusals", num(arm_refusals_));
   put("refinements", num(refinements_));
   put("remakes", num(remakes_));
+  put("full_rearms", num(full_rearms_));
+  put("arenas_replaced", num(arenas_replaced_));
   put("marks", num(marks_));
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
@@ -502,6 +504,19 @@ void PlannedAllocator::boundary() {
     ++refinements_;
   }
   if (!armed_ && plans_[active_].validated) arm(0);
+  if (armed_ && variant_ == 1) {
+    // Armed when its first requests were recognised, the plan left those to the pool (they
+    // had been served already). A whole pass is ahead now: its whole layout serves it, or, if
+    // that is refused, the partial one goes on as it was.
+    armed_ = false;
+    if (arm(0)) {
+      ++full_rearms_;
+    } else {
+      armed_ = true;
+      variant_ = 1;
+      if (p.holes[1]) pool_->claim(p.claims[1]);  // arm(0) gave the claims back
+    }
+  }
 }
 
 void PlannedAllocator::refresh(Plan& p) {
@@ -804,7 +819,19 @@ bool PlannedAllocator::arm(int v) {
   std::size_t footprint = footprint_of(p, share ? held - saved : held);
   last_footprint_ = footprint;
   if (footprint > limit) return refuse();
-  if (arena_ != 0 && arena_size_ < need) {
+  const std::uint64_t layout = layout_key(p, v);
+  if (arena_ != 0 && config_.pool.vmm && layout != arena_layout_ && pool_->arena_in_use(arena_)) {
+    // Blocks another layout placed are alive in the arena (a plan armed mid-iteration, after
+    // an evaluation step, or made again): this layout's blocks would land on them and go to
+    // the pool, which would then grow. They keep the old arena (retired into the pool, its
+    // free pages given back as memory is needed); this layout gets a fresh range. Without
+    // virtual memory, the old arena's whole segment would stay pinned: there, the pool takes
+    // the few requests that collide.
+    pool_->retire_arena(arena_);
+    arena_ = 0;
+    arena_size_ = 0;
+    ++arenas_replaced_;
+  } else if (arena_ != 0 && arena_size_ < need) {
     pool_->retire_arena(arena_);  // too small for this plan: its free space joins the pool
     arena_ = 0;
     arena_size_ = 0;
@@ -838,8 +865,13 @@ bool PlannedAllocator::arm(int v) {
   if (p.holes[v]) pool_->claim(p.claims[v]);
   armed_ = true;
   variant_ = v;
+  arena_layout_ = layout;
   ++arms_;
   return true;
+}
+
+std::uint64_t PlannedAllocator::layout_key(const Plan& p, int v) {
+  return (p.id * 2 + static_cast<std::uint64_t>(v)) * kHashBase + p.holes_key[v];
 }
 
 // ---------------------------------------------------------------------------------------------

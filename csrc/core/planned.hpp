@@ -245,6 +245,9 @@ class PlannedAllocator : public Allocator {
   const Slot* match_plan(std::size_t rounded, StreamId stream, bool* crossed);
   void boundary();
   bool arm(int variant);
+  // Identifies the offsets a plan's variant hands out: a plan made again gets a new id, and a
+  // variant packed again around other holes may move its blocks.
+  static std::uint64_t layout_key(const Plan& p, int variant);
   // Whether the plan's bound is a large enough share of the highest live bytes to arm.
   bool worth_an_arena(const Plan& p) const;
   void disarm();
@@ -331,6 +334,7 @@ class PlannedAllocator : public Allocator {
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
+  std::uint64_t arena_layout_ = 0;   // layout_key() of the layout last armed in the arena
   std::unordered_map<std::uintptr_t, Live> live_;
 
   // Figures.
@@ -340,6 +344,8 @@ class PlannedAllocator : public Allocator {
   std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0, arm_refusals_ = 0;
   std::uint64_t refinements_ = 0;
   std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
+  std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
+  std::uint64_t arenas_replaced_ = 0;  // arenas retired because blocks of another layout lived there
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
   std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes
