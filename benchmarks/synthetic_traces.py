@@ -110,7 +110,32 @@ def two_streams(seed: int = 2, iterations: int = 6) -> Trace:
     return p.trace()
 
 
-ALL = {t.__name__: t for t in (many_sizes, grow_shrink, two_streams)}
+def periodic_eval(seed: int = 3, steps: int = 24, every: int = 4) -> Trace:
+    """Training with an evaluation step every `every` steps, as most loops do: a forward pass
+    at twice the batch that keeps nothing (each layer's output frees the one before it). The
+    evaluation interrupts the plan of the training step, which must serve again after it."""
+    rng = np.random.default_rng(seed)
+    p = _Program("synthetic_periodic_eval")
+    acts = _layer_sizes(rng, 32, 1 * MiB, 24 * MiB)
+    temps = _layer_sizes(rng, 32, 256 * KiB, 12 * MiB)
+    weights = _layer_sizes(rng, 32, 64 * KiB, 16 * MiB)
+    for w in weights:
+        p.alloc(w), p.alloc(w), p.alloc(w)
+    for step in range(steps):
+        if step % every != every - 1:
+            _step(p, acts, temps, weights)
+            continue
+        x = p.alloc(2 * max(acts))
+        for a, t in zip(acts, temps):
+            y = p.alloc(2 * a)
+            p.free(p.alloc(2 * t))
+            p.free(x)
+            x = y
+        p.free(x)
+    return p.trace()
+
+
+ALL = {t.__name__: t for t in (many_sizes, grow_shrink, two_streams, periodic_eval)}
 
 
 def random_training(seed: int) -> Trace:

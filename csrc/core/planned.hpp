@@ -70,9 +70,12 @@
 //   plan that applies (alternating shapes, shapes that come back), but never one too small to
 //   arm, nor, while the active plan matches, one whose last pass skipped many of its slots (a
 //   wrong period): they would take the cursor from the iteration's plan while it waits for its
-//   cut. A plan seen again is recognised by its signature and not re-packed. One arena
-//   serves every plan (a plan needing more than its size gets a new one; the old one is
-//   retired into the pool).
+//   cut. A plan seen again is recognised by its signature and not re-packed. A plan armed by
+//   its first requests (variant 1) arms with its whole layout (variant 0) at its cut. One
+//   arena serves every plan (a plan needing more than its size gets a new one; the old one is
+//   retired into the pool). With virtual memory, a layout that arms while blocks another
+//   layout placed are alive in the arena gets a new one too: those keep their range, in the
+//   pool.
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
 //   trimming can only return wholly free segments of the pool.
 #pragma once
