@@ -42,6 +42,18 @@ def _layer_sizes(rng: np.random.Generator, layers: int, lo: int, hi: int) -> lis
     return [int(np.exp(rng.uniform(np.log(lo), np.log(hi)))) for _ in range(layers)]
 
 
+def _model(p: _Program, rng: np.random.Generator, layers: int, acts: tuple[int, int],
+           temps: tuple[int, int], weights: tuple[int, int]) -> tuple[list[int], list[int], list[int]]:
+    """Sizes of each layer's activation, temporary and weight, log-uniform in the (lo, hi)
+    given; the weights are allocated with two Adam states each. Returns the three lists."""
+    a = _layer_sizes(rng, layers, *acts)
+    t = _layer_sizes(rng, layers, *temps)
+    w = _layer_sizes(rng, layers, *weights)
+    for x in w:
+        p.alloc(x), p.alloc(x), p.alloc(x)
+    return a, t, w
+
+
 def _step(p: _Program, acts: list[int], temps: list[int], grads: list[int], scale: float = 1.0,
           comm_stream: int | None = None, bucket: int = 0) -> None:
     """One training step: forward keeps activations, backward frees them in reverse."""
@@ -72,11 +84,8 @@ def many_sizes(seed: int = 0, iterations: int = 6) -> Trace:
     """Sixty layers whose activations, temporaries and weights all differ in size."""
     rng = np.random.default_rng(seed)
     p = _Program("synthetic_many_sizes")
-    acts = _layer_sizes(rng, 60, 64 * KiB, 96 * MiB)
-    temps = _layer_sizes(rng, 60, 4 * KiB, 48 * MiB)
-    weights = _layer_sizes(rng, 60, 4 * KiB, 24 * MiB)
-    for w in weights:  # parameters and two Adam states each
-        p.alloc(w), p.alloc(w), p.alloc(w)
+    acts, temps, weights = _model(p, rng, 60, (64 * KiB, 96 * MiB), (4 * KiB, 48 * MiB),
+                                  (4 * KiB, 24 * MiB))
     for _ in range(iterations):
         _step(p, acts, temps, weights)
     return p.trace()
@@ -86,11 +95,8 @@ def grow_shrink(seed: int = 1) -> Trace:
     """The batch grows step by step, then shrinks: every step has new sizes."""
     rng = np.random.default_rng(seed)
     p = _Program("synthetic_grow_shrink")
-    acts = _layer_sizes(rng, 40, 1 * MiB, 24 * MiB)
-    temps = _layer_sizes(rng, 40, 256 * KiB, 12 * MiB)
-    weights = _layer_sizes(rng, 40, 64 * KiB, 16 * MiB)
-    for w in weights:
-        p.alloc(w), p.alloc(w), p.alloc(w)
+    acts, temps, weights = _model(p, rng, 40, (1 * MiB, 24 * MiB), (256 * KiB, 12 * MiB),
+                                  (64 * KiB, 16 * MiB))
     for scale in (1, 1.5, 2, 3, 4, 3, 2, 1.5, 1, 1):
         _step(p, acts, temps, weights, scale=scale)
     return p.trace()
@@ -100,11 +106,8 @@ def two_streams(seed: int = 2, iterations: int = 6) -> Trace:
     """Compute on stream 0 and gradient buckets reduced on stream 1, repeated."""
     rng = np.random.default_rng(seed)
     p = _Program("synthetic_two_streams")
-    acts = _layer_sizes(rng, 48, 512 * KiB, 40 * MiB)
-    temps = _layer_sizes(rng, 48, 64 * KiB, 16 * MiB)
-    weights = _layer_sizes(rng, 48, 64 * KiB, 20 * MiB)
-    for w in weights:
-        p.alloc(w), p.alloc(w), p.alloc(w)
+    acts, temps, weights = _model(p, rng, 48, (512 * KiB, 40 * MiB), (64 * KiB, 16 * MiB),
+                                  (64 * KiB, 20 * MiB))
     for _ in range(iterations):
         _step(p, acts, temps, weights, comm_stream=1, bucket=25 * MiB)
     return p.trace()
@@ -116,11 +119,8 @@ def periodic_eval(seed: int = 3, steps: int = 24, every: int = 4) -> Trace:
     evaluation interrupts the plan of the training step, which must serve again after it."""
     rng = np.random.default_rng(seed)
     p = _Program("synthetic_periodic_eval")
-    acts = _layer_sizes(rng, 32, 1 * MiB, 24 * MiB)
-    temps = _layer_sizes(rng, 32, 256 * KiB, 12 * MiB)
-    weights = _layer_sizes(rng, 32, 64 * KiB, 16 * MiB)
-    for w in weights:
-        p.alloc(w), p.alloc(w), p.alloc(w)
+    acts, temps, weights = _model(p, rng, 32, (1 * MiB, 24 * MiB), (256 * KiB, 12 * MiB),
+                                  (64 * KiB, 16 * MiB))
     for step in range(steps):
         if step % every != every - 1:
             _step(p, acts, temps, weights)
