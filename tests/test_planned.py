@@ -1168,6 +1168,9 @@ def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams,
     r = _core.fuzz(30000, seed, POLICY, "", 4 << 30, limit, streams, True, 1000, True)
     assert r["mallocs"] - r["ooms"] == r["frees"] > 0  # all freed at the end
     assert r["plan_hits"] > 0 and r["plan_hole_hits"] > 0, r
+    # Plans armed by their first requests then armed whole, and arenas replaced under blocks
+    # of another layout, happened under the checks too.
+    assert r["plan_full_rearms"] > 0 and r["plan_arenas_replaced"] > 0, r
 
 
 def test_holes_over_the_fake_driver_keep_every_block_intact():

@@ -67,6 +67,8 @@ class Fuzzer {
         if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);
         if (k == "hole_hits") r_.plan_hole_hits = static_cast<std::uint64_t>(v);
         if (k == "remakes") r_.plan_remakes = static_cast<std::uint64_t>(v);
+        if (k == "full_rearms") r_.plan_full_rearms = static_cast<std::uint64_t>(v);
+        if (k == "arenas_replaced") r_.plan_arenas_replaced = static_cast<std::uint64_t>(v);
       }
     }
     return r_;
