@@ -124,14 +124,39 @@ def periodic_eval(seed: int = 3, steps: int = 24, every: int = 4) -> Trace:
     for step in range(steps):
         if step % every != every - 1:
             _step(p, acts, temps, weights)
-            continue
-        x = p.alloc(2 * max(acts))
-        for a, t in zip(acts, temps):
-            y = p.alloc(2 * a)
-            p.free(p.alloc(2 * t))
-            p.free(x)
-            x = y
+        else:
+            _evaluation_step(p, acts, temps)
+    return p.trace()
+
+
+def _evaluation_step(p: _Program, acts: list[int], temps: list[int], scale: float = 2.0) -> None:
+    """A forward pass at `scale` times the batch that keeps nothing: each layer's output frees
+    the one before it."""
+    x = p.alloc(max(512, int(scale * max(acts))))
+    for a, t in zip(acts, temps):
+        y = p.alloc(max(512, int(scale * a)))
+        p.free(p.alloc(max(512, int(scale * t))))
         p.free(x)
+        x = y
+    p.free(x)
+
+
+def evaluation_loop(seed: int, cycles: int = 8) -> Trace:
+    """A training loop drawn at random with an evaluation step every few steps: 6 to 20 layers
+    with sizes log-uniform around a scale of 1 to 32 MiB, an evaluation (twice the batch,
+    nothing kept) every 2 to 8 steps, `cycles` evaluations."""
+    rng = np.random.default_rng(seed)
+    p = _Program(f"evaluation_loop_{seed}")
+    layers = int(rng.integers(6, 21))
+    every = int(rng.integers(2, 9))
+    scale = float(np.exp(rng.uniform(np.log(1 * MiB), np.log(32 * MiB))))
+    acts, temps, weights = _model(p, rng, layers, (int(scale / 3), int(3 * scale)),
+                                  (int(scale / 8), int(scale)), (int(scale / 16), int(scale)))
+    for step in range(cycles * every):
+        if step % every != every - 1:
+            _step(p, acts, temps, weights)
+        else:
+            _evaluation_step(p, acts, temps)
     return p.trace()
 
 

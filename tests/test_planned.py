@@ -834,11 +834,12 @@ def make_evaluation(seed, layers=12, scale=2.0):
 def test_an_evaluation_every_few_steps_keeps_the_plan_of_the_training_step(every):
     """Training with an evaluation step every few steps, as most loops do. The evaluation
     diverges from the plan of the training step, and the step after it is recognised by its
-    first requests: the plan arms mid-iteration with a layout that leaves those to the pool,
-    while blocks of the previous layout are still alive in the arena. Before the arena was
-    replaced there and the plan switched to its whole layout at its cut, those blocks took
-    the ranges of later ones (slots busy, served by the pool), and the plan held as much as
-    the pool alone (1.0119 of the peak of live bytes, with every 4 and 8); now 1.0058."""
+    first requests: the plan arms mid-iteration with a layout that leaves those to the pool.
+    Before, blocks an earlier plan had placed were still alive in the arena: they took the
+    ranges of later blocks (slots busy, served by the pool), and the plan held as much as the
+    pool alone (1.0119 of the peak of live bytes, with every 4 and 8). Now the arena of a plan
+    left with live blocks goes to the pool, the next plan arms in a fresh range, and it arms
+    with its whole layout at its cut: 1.0058."""
     peak, runs = {}, {}
     for policy in (POLICY, "pymemplan-vmm"):
         r = runs[policy] = Runner(policy=policy)
@@ -852,7 +853,7 @@ def test_an_evaluation_every_few_steps_keeps_the_plan_of_the_training_step(every
         check_invariants(r.alloc, r.device, r.live)
     assert peak[POLICY] <= 1.01 and peak[POLICY] < peak["pymemplan-vmm"], peak
     ps = runs[POLICY].plan()
-    assert ps["slot_busy"] == 0 and ps["arenas_replaced"] >= 1 and ps["full_rearms"] >= 1, ps
+    assert ps["slot_busy"] == 0 and ps["busy_arenas_retired"] >= 1 and ps["full_rearms"] >= 1, ps
 
 
 def test_shrinking_workload_gives_memory_back():
@@ -1042,6 +1043,29 @@ def test_random_training_loops_never_above_torch_and_plans_cost_at_most_their_sl
     assert planned <= max(vmm, 1.01 * live) + 4 * MiB, (seed, vmm / live, planned / live)
 
 
+@pytest.mark.parametrize("seed", [4, 72, 89, 146])
+def test_random_loops_with_an_evaluation_every_few_steps_cost_at_most_the_plan_slack(seed):
+    """Evaluation loops drawn at random (benchmarks/synthetic_traces.py evaluation_loop): a
+    plan holds at most what the pool alone holds, or its plan_slack (1%) over the live bytes,
+    give or take two pages. Seeds 89 and 146 were 5.5 and 6 MiB over before plans armed by
+    their first requests armed whole at their cut; seeds 4 and 72 (a 52 MiB workload at 1.20
+    of live) were 6 and 8 MiB over before a plan left mid-iteration gave its busy arena to the
+    pool."""
+    import sys
+
+    from pymemplan.traces import replay
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from synthetic_traces import evaluation_loop
+
+    res = {r.policy: r for r in replay(evaluation_loop(seed), [POLICY, "pymemplan-vmm", "torch"])}
+    live = res["torch"].peak_live_bytes
+    vmm, planned, torch = (res[k].peak_reserved_bytes for k in ("pymemplan-vmm", POLICY, "torch"))
+    assert all(r.ooms == 0 for r in res.values())
+    assert vmm <= torch and planned <= torch, (seed, vmm / live, planned / live, torch / live)
+    assert planned <= max(vmm, 1.01 * live) + 4 * MiB, (seed, vmm / live, planned / live)
+
+
 def test_threads_share_one_allocator():
     """The allocator releases the GIL in malloc/free: threads running their own loops hit its
     one mutex concurrently; the state stays consistent."""
@@ -1168,9 +1192,9 @@ def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams,
     r = _core.fuzz(30000, seed, POLICY, "", 4 << 30, limit, streams, True, 1000, True)
     assert r["mallocs"] - r["ooms"] == r["frees"] > 0  # all freed at the end
     assert r["plan_hits"] > 0 and r["plan_hole_hits"] > 0, r
-    # Plans armed by their first requests then armed whole, and arenas replaced under blocks
-    # of another layout, happened under the checks too.
-    assert r["plan_full_rearms"] > 0 and r["plan_arenas_replaced"] > 0, r
+    # Plans armed by their first requests then armed whole, and arenas retired into the pool
+    # with live blocks, happened under the checks too.
+    assert r["plan_full_rearms"] > 0 and r["plan_busy_arenas_retired"] > 0, r
 
 
 def test_holes_over_the_fake_driver_keep_every_block_intact():

@@ -284,7 +284,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("refinements", num(refinements_));
   put("remakes", num(remakes_));
   put("full_rearms", num(full_rearms_));
-  put("arenas_replaced", num(arenas_replaced_));
+  put("busy_arenas_retired", num(busy_arenas_retired_));
   put("marks", num(marks_));
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
@@ -553,15 +553,25 @@ void PlannedAllocator::disarm() {
   stop_serving();
   if (arena_ == 0) return;
   // Without virtual memory an idle arena holds its whole size: it goes back now (a plan that
-  // arms again gets a new one). With virtual memory an idle arena costs nothing (its pages go
-  // back as the pool needs them, the grow mark); but one whose planned blocks are still live
-  // keeps their pages mapped, and best fit never searches it: the pool would grow around free
-  // space it cannot use (a new shape mid-iteration). Its free space joins the pool instead.
-  const bool in_use = pool_->arena_in_use(arena_);
-  if (config_.pool.vmm == in_use) {
+  // arms again gets a new one).
+  if (!config_.pool.vmm && !pool_->arena_in_use(arena_)) {
     pool_->retire_arena(arena_);
     arena_ = 0;
     arena_size_ = 0;
+  }
+  retire_busy_arena();
+}
+
+void PlannedAllocator::retire_busy_arena() {
+  // With virtual memory an idle arena costs nothing (its pages go back as the pool needs them,
+  // the grow mark); but one whose planned blocks are still live keeps their pages mapped, and
+  // best fit never searches it: the pool would grow around free space it cannot use (a new
+  // shape mid-iteration). Its free space joins the pool instead.
+  if (arena_ != 0 && config_.pool.vmm && pool_->arena_in_use(arena_)) {
+    pool_->retire_arena(arena_);
+    arena_ = 0;
+    arena_size_ = 0;
+    ++busy_arenas_retired_;
   }
 }
 
@@ -819,19 +829,7 @@ bool PlannedAllocator::arm(int v) {
   std::size_t footprint = footprint_of(p, share ? held - saved : held);
   last_footprint_ = footprint;
   if (footprint > limit) return refuse();
-  const std::uint64_t layout = layout_key(p, v);
-  if (arena_ != 0 && config_.pool.vmm && layout != arena_layout_ && pool_->arena_in_use(arena_)) {
-    // Blocks another layout placed are alive in the arena (a plan armed mid-iteration, after
-    // an evaluation step, or made again): this layout's blocks would land on them and go to
-    // the pool, which would then grow. They keep the old arena (retired into the pool, its
-    // free pages given back as memory is needed); this layout gets a fresh range. Without
-    // virtual memory, the old arena's whole segment would stay pinned: there, the pool takes
-    // the few requests that collide.
-    pool_->retire_arena(arena_);
-    arena_ = 0;
-    arena_size_ = 0;
-    ++arenas_replaced_;
-  } else if (arena_ != 0 && arena_size_ < need) {
+  if (arena_ != 0 && arena_size_ < need) {
     pool_->retire_arena(arena_);  // too small for this plan: its free space joins the pool
     arena_ = 0;
     arena_size_ = 0;
@@ -865,13 +863,8 @@ bool PlannedAllocator::arm(int v) {
   if (p.holes[v]) pool_->claim(p.claims[v]);
   armed_ = true;
   variant_ = v;
-  arena_layout_ = layout;
   ++arms_;
   return true;
-}
-
-std::uint64_t PlannedAllocator::layout_key(const Plan& p, int v) {
-  return (p.id * 2 + static_cast<std::uint64_t>(v)) * kHashBase + p.holes_key[v];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1182,7 +1175,12 @@ void PlannedAllocator::mark_step() {
 void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   // Another plan's offsets would be served from an arena packed for the previous one: the
   // new plan arms at its own cut (or now, see below), after trimming for its needs.
-  if (index != active_) stop_serving();
+  if (index != active_) {
+    // Leaving a plan mid-iteration (a new plan was found, another one recognised): its
+    // blocks alive in the arena must not make the pool grow around the arena's free space.
+    retire_busy_arena();
+    stop_serving();
+  }
   active_ = index;
   cursor_ = cursor;
   at_cut_ = cursor == 0;

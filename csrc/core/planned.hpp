@@ -73,9 +73,9 @@
 //   cut. A plan seen again is recognised by its signature and not re-packed. A plan armed by
 //   its first requests (variant 1) arms with its whole layout (variant 0) at its cut. One
 //   arena serves every plan (a plan needing more than its size gets a new one; the old one is
-//   retired into the pool). With virtual memory, a layout that arms while blocks another
-//   layout placed are alive in the arena gets a new one too: those keep their range, in the
-//   pool.
+//   retired into the pool). With virtual memory, an arena whose blocks are alive when its
+//   plan is left (disarmed, or another plan adopted mid-iteration) is retired into the pool
+//   too, so that the pool does not grow around free space it cannot use.
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
 //   trimming can only return wholly free segments of the pool.
 #pragma once
@@ -248,12 +248,11 @@ class PlannedAllocator : public Allocator {
   const Slot* match_plan(std::size_t rounded, StreamId stream, bool* crossed);
   void boundary();
   bool arm(int variant);
-  // Identifies the offsets a plan's variant hands out: a plan made again gets a new id, and a
-  // variant packed again around other holes may move its blocks.
-  static std::uint64_t layout_key(const Plan& p, int variant);
   // Whether the plan's bound is a large enough share of the highest live bytes to arm.
   bool worth_an_arena(const Plan& p) const;
   void disarm();
+  // With virtual memory, an arena with live blocks is retired into the pool (see disarm()).
+  void retire_busy_arena();
   // Not serving from the active plan any more (armed_ false), its holes released.
   void stop_serving();
   // Packs a variant; false (nothing set) if no packing fits in give_up bytes.
@@ -337,7 +336,6 @@ class PlannedAllocator : public Allocator {
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
-  std::uint64_t arena_layout_ = 0;   // layout_key() of the layout last armed in the arena
   std::unordered_map<std::uintptr_t, Live> live_;
 
   // Figures.
@@ -348,7 +346,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t refinements_ = 0;
   std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
-  std::uint64_t arenas_replaced_ = 0;  // arenas retired because blocks of another layout lived there
+  std::uint64_t busy_arenas_retired_ = 0;  // arenas retired into the pool with live blocks
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
   std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes

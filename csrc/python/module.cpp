@@ -328,7 +328,7 @@ PYBIND11_MODULE(_core, m) {
         d["plan_fallbacks"] = r.plan_fallbacks;
         d["plan_remakes"] = r.plan_remakes;
         d["plan_full_rearms"] = r.plan_full_rearms;
-        d["plan_arenas_replaced"] = r.plan_arenas_replaced;
+        d["plan_busy_arenas_retired"] = r.plan_busy_arenas_retired;
         d["plan_hole_hits"] = r.plan_hole_hits;
         d["page_shares"] = r.page_shares;
         return d;

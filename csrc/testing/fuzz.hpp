@@ -38,7 +38,7 @@ struct FuzzReport {
   std::uint64_t plan_hole_hits = 0;  // of plan_hits, served in a hole of the pool
   std::uint64_t plan_remakes = 0;    // plans made again from a pass shorter than their period
   std::uint64_t plan_full_rearms = 0;      // plans armed by their first requests, then whole
-  std::uint64_t plan_arenas_replaced = 0;  // arenas retired for blocks of another layout
+  std::uint64_t plan_busy_arenas_retired = 0;  // arenas retired into the pool with live blocks
   std::uint64_t page_shares = 0;     // share_pages calls that gave pages back
 };
 

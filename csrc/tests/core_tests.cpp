@@ -133,22 +133,22 @@ int main(int argc, char** argv) {
       o.config = conf;
       FuzzReport r = fuzz(o);
       std::printf("fuzz %-17s %-40s ops=%llu mallocs=%llu ooms=%llu full_checks=%llu plan_hits=%llu "
-                  "remakes=%llu full_rearms=%llu arenas_replaced=%llu\n",
+                  "remakes=%llu full_rearms=%llu busy_arenas_retired=%llu\n",
                   c[0], c[1], static_cast<unsigned long long>(r.ops),
                   static_cast<unsigned long long>(r.mallocs), static_cast<unsigned long long>(r.ooms),
                   static_cast<unsigned long long>(r.full_checks),
                   static_cast<unsigned long long>(r.plan_hits),
                   static_cast<unsigned long long>(r.plan_remakes),
                   static_cast<unsigned long long>(r.plan_full_rearms),
-                  static_cast<unsigned long long>(r.plan_arenas_replaced));
+                  static_cast<unsigned long long>(r.plan_busy_arenas_retired));
       if (o.periodic) CHECK(r.plan_hits > 0);  // plans served, not only the fallback pool
       // Plans are made again from a pass as it repeats (one-off blocks of the first iteration,
       // noise between iterations), and plans recognised by their first requests arm whole at
       // their cut: those paths run under the sanitizers too.
       if (o.periodic) CHECK(r.plan_remakes > 0 && r.plan_full_rearms > 0);
-      // Without virtual memory an arena is never replaced under live blocks (it would pin a
-      // second segment).
-      if (o.config.find("vmm:False") != std::string::npos) CHECK(r.plan_arenas_replaced == 0);
+      // Without virtual memory an arena with live blocks is never retired into the pool (its
+      // whole segment would stay pinned beside the next one).
+      if (o.config.find("vmm:False") != std::string::npos) CHECK(r.plan_busy_arenas_retired == 0);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fuzz %s %s: %s\n", c[0], c[1], e.what());
       ++failures;
