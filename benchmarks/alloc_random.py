@@ -9,8 +9,10 @@ PyTorch's allocator, or plan-guided placement more than the virtual-memory pool 
 
     python benchmarks/alloc_random.py              # 200 seeds, about 10 s
     python benchmarks/alloc_random.py --seeds 1000
+    python benchmarks/alloc_random.py --loops evaluation --seeds 1000
 
-Writes benchmarks/results/alloc_random.json.
+Writes benchmarks/results/alloc_random.json (alloc_random_evaluation.json with --loops
+evaluation: synthetic_traces.evaluation_loop, an evaluation step every few steps).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from synthetic_traces import random_training  # noqa: E402
+from synthetic_traces import evaluation_loop, random_training  # noqa: E402
 
 from pymemplan.traces import replay  # noqa: E402
 
-RESULT = HERE / "results" / "alloc_random.json"
+RESULTS = {"training": HERE / "results" / "alloc_random.json",
+           "evaluation": HERE / "results" / "alloc_random_evaluation.json"}
 POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch")
 # Differences under this share of the live bytes are one page on the smallest runs, not a
 # pattern: a plan that arms, diverges and leaves the pool another layout may cost a page.
@@ -41,15 +44,19 @@ TOLERANCE = 0.005
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=200, help="runs to draw (seeds 0..N-1)")
-    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--loops", choices=sorted(RESULTS), default="training",
+                    help="training: random_training; evaluation: evaluation_loop")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/alloc_random[_evaluation].json")
     args = ap.parse_args()
+    args.out = args.out or RESULTS[args.loops]
+    draw = random_training if args.loops == "training" else evaluation_loop
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
 
     start = time.perf_counter()
     runs = []
     for seed in range(args.seeds):
-        trace = random_training(seed)
+        trace = draw(seed)
         results = {r.policy: r for r in replay(trace, POLICIES)}
         row = {"seed": seed, "events": int(len(trace.action)),
                "peak_live_bytes": results["torch"].peak_live_bytes}
@@ -80,13 +87,14 @@ def main() -> int:
         "pymemplan-planned above pymemplan-vmm": over("pymemplan-planned", "pymemplan-vmm"),
         "pymemplan above torch": over("pymemplan", "torch"),
     }
-    out = {"command": "python benchmarks/alloc_random.py" + ("" if args.seeds == 200 else f" --seeds {args.seeds}"),
+    command = "python benchmarks/alloc_random.py" + ("" if args.loops == "training" else f" --loops {args.loops}")
+    out = {"command": command + ("" if args.seeds == 200 else f" --seeds {args.seeds}"),
            "machine": platform.platform(), "seeds": args.seeds, "tolerance": TOLERANCE,
            "seconds": seconds, "summary": summary, "above": above, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
-    print(f"{args.seeds} random training runs in {seconds:.0f} s; peak reserved / peak live:")
+    print(f"{args.seeds} random {args.loops} loops in {seconds:.0f} s; peak reserved / peak live:")
     print(f"  {'policy':20s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
     for name in POLICIES:
         s = summary[name]

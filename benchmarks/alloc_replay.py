@@ -454,7 +454,7 @@ def plan_figures(trace):
             alloc.free(live.pop(p))
     keys = ("plan_hits", "hole_hits", "fallbacks", "slot_busy", "divergences", "plans_built", "arms",
             "plan_hole_bytes", "plan_hole_cost_bytes",
-            "arm_refusals", "refinements", "remakes", "full_rearms", "arenas_replaced",
+            "arm_refusals", "refinements", "remakes", "full_rearms", "busy_arenas_retired",
             "plan_bound_bytes", "plan_arena_bytes",
             "plan_ratio", "pack_seconds", "shared_page_bytes")
     return {k: v for k, v in alloc.plan_stats().items() if k in keys}
