@@ -282,11 +282,14 @@ class MemoryTrace:
                 f"{policy!r} ({result.ooms} allocations refused); pass a larger capacity")
         return result.peak_reserved_bytes
 
-    def _repeated_trace(self, iterations: int):
-        """The allocation trace with the step repeated. Tensors from before the step that it
-        keeps (parameters, optimizer state) are allocated once; those it frees (the inputs)
-        come anew with every step; tensors the step creates and keeps (gradients) are freed
-        before the next step, as zero_grad(set_to_none=True) does."""
+    def _repeated_trace(self, iterations: int, first_step: bool = True):
+        """The allocation trace of a run of ``iterations`` steps. Tensors from before the
+        step that it keeps (parameters, buffers) are allocated once; those it frees (the
+        inputs) come anew with every step; tensors the step creates and keeps (gradients)
+        are freed before the next step, as zero_grad(set_to_none=True) does. The first step
+        is a first step: the optimizer makes its state there, where its first
+        ``step()`` made it (``StepGraph.first_optimizer_step``), among what is left of
+        the backward pass, rather than before the run (``first_step=False``: before)."""
         from ..traces.trace import ALLOC, FREE, Trace
 
         one = self.allocation_trace()
@@ -295,7 +298,10 @@ class MemoryTrace:
         before = {t.id for t in self.graph.tensors if t.alloc_op == BEFORE_STEP}
         freed_in_step = {r[1] for r in rows if r[0] == FREE}
         kept = before - freed_in_step
-        prologue = [r for r in rows if r[0] == ALLOC and r[1] in kept]
+        first = self.graph.first_optimizer_step if first_step else None
+        made_first = ({ev[1] for ev in first["events"] if ev[0] == ALLOC and ev[1] in kept}
+                      if first else set())
+        prologue = [r for r in rows if r[0] == ALLOC and r[1] in kept and r[1] not in made_first]
         step = [r for r in rows if not (r[0] == ALLOC and r[1] in kept)]
         offset = 1 + max((r[1] for r in rows), default=0)
         out = list(prologue)
@@ -303,16 +309,37 @@ class MemoryTrace:
         for k in range(iterations):
             out.extend((FREE, r[1], r[2], r[3], r[4]) for r in leftovers)
             live: dict[int, tuple] = {}
-            for a, ptr, size, stream, t in step:
-                if ptr not in kept:
+            events = step if k > 0 or not first else self._first_step(step, iterations * offset)
+            for a, ptr, size, stream, t in events:
+                if ptr not in kept and ptr < iterations * offset:
                     ptr += k * offset
                 out.append((a, ptr, size, stream, t))
                 if a == ALLOC:
                     live[ptr] = (a, ptr, size, stream, t)
                 elif a == FREE:
                     live.pop(ptr, None)
-            leftovers = list(live.values())
+            leftovers = [r for r in live.values() if r[1] not in made_first]
         return Trace.from_events(out, name=f"{one.name} x{iterations}")
+
+    def _first_step(self, step: list[tuple], fresh: int) -> list[tuple]:
+        """The step's rows with its ``optimizer.step()`` replaced by the optimizer's first
+        step. Frees in that span of tensors made before it stay; the first step's own
+        temporaries get ids from ``fresh`` up."""
+        from ..traces.trace import ALLOC
+
+        first = self.graph.first_optimizer_step
+        start, end = first["ops"]
+        inside = {r[1] for r in step if r[0] == ALLOC and start <= r[4] < end}
+        out = [r for r in step if r[4] < start]
+        sizes = {t.id: t.size for t in self.graph.tensors}
+        for action, tid, local, size in first["events"]:
+            if tid >= 0:  # state of the traced step: its size, in case the graph was resized
+                out.append((action, tid, sizes[tid], 0, float(start)))
+            else:
+                out.append((action, fresh + local, size, 0, float(start)))
+        out.extend(r for r in step if r[4] >= start and r[1] not in inside
+                   and not (r[0] == ALLOC and r[4] < end))
+        return out
 
     def allocation_trace(self, name: str | None = None):
         """The predicted allocations and frees, as a :class:`pymemplan.traces.Trace`.

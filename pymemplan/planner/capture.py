@@ -371,30 +371,61 @@ def _torch():
     return torch
 
 
-def _optimizer_scalars():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Scalars(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is _torch().ops.aten._local_scalar_dense.default:
-                return _placeholder_scalar(args[0])
-            return func(*args, **(kwargs or {}))
-
-    return _Scalars()
-
-
-def _warm_up_optimizer(opt) -> None:
-    """One step on zero gradients, so the traced step is the steady state: optimizer state
-    already exists, as in every step after the first."""
+def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode) -> "_Recorder":
+    """The optimizer's first step, on zero gradients, recorded: it makes the optimizer's
+    state, so that the traced step is the steady state, as in every step after the first,
+    and the record says where a real run's first step makes that state (Adam: all of it
+    before the first update; SGD with momentum: each buffer as its parameter comes)."""
     import torch
 
+    rec = _Recorder(profile, fake_mode, None)
+    rec.phase = OPTIMIZER  # scalars read from fake tensors get placeholders (dispatch)
     params = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
+        rec.register(p, PARAMETER)
         p.grad = torch.zeros_like(p)
-    with _optimizer_scalars():
-        opt.step()
+        rec.register(p.grad, GRADIENT)
+    try:
+        with _dispatch_mode(rec):
+            opt.step()
+    finally:
+        rec.close()
     for p in params:
         p.grad = None
+    return rec
+
+
+def _first_step_events(first: "_Recorder", rec: "_Recorder", opt, profile: DeviceProfile,
+                       span: tuple[int, int]) -> dict:
+    """``StepGraph.first_optimizer_step`` from the record of the optimizer's first step:
+    the state it makes refers to the state tensors of the traced step (``rec``); state
+    that lives in host memory on the target (CUDA's step counters) makes no event."""
+    import torch
+
+    state_of: dict[int, int] = {}  # local id -> tensor id in the traced step (-2: host)
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                local = first.live.get(_storage_key(v))
+                if local is not None:
+                    on_device = state_on_device(opt, k, v, profile)
+                    state_of[local] = rec.live.get(_storage_key(v), -1) if on_device else -2
+    events = []
+    for t in first.tensors:
+        state = state_of.get(t.id, -1)
+        if not t.size or state == -2:
+            continue
+        if t.alloc_op == BEFORE_STEP:
+            # State made without a dispatched op (Adam's torch.tensor(0.0) step counter),
+            # seen first when the step updated it: made before anything else.
+            if state >= 0:
+                events.append((0, 0, state, t.id, t.size))
+            continue
+        events.append((t.alloc_seq, 0, state, t.id, t.size))
+        if t.free_seq is not None:
+            events.append((t.free_seq, 1, -1, t.id, t.size))
+    events.sort()
+    return {"ops": list(span), "events": [list(e[1:]) for e in events]}
 
 
 def _to_loss(out, loss_fn):
@@ -607,7 +638,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             opt = None
             if optimizer is not None:
                 opt = _make_optimizer(optimizer, params, fake_of, profile)
-                _warm_up_optimizer(opt)
+                first = _first_optimizer_step(opt, profile, fake_mode)
             if grads_present:
                 for f in params:
                     f.grad = torch.zeros_like(f)
@@ -677,7 +708,9 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                     phase_starts[OPTIMIZER] = len(rec.ops)
                     if scaler is not None:
                         scaler.unscale([f.grad for f in params if f.grad is not None])
+                    step_ops = len(rec.ops)
                     opt.step()
+                    step_span = (step_ops, len(rec.ops))
                     if scaler is not None:
                         scaler.update()
         except PlannerError:
@@ -691,9 +724,11 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                 tid = rec.live.get(_storage_key(f.grad))
                 if tid is not None:
                     grads.add(tid)
+        first_step = (_first_step_events(first, rec, opt, profile, step_span)
+                      if opt is not None else None)
         probe_stats = finish_recording(rec, probes, progress, activations, grads)
         return StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
-                         phase_starts=phase_starts,
+                         phase_starts=phase_starts, first_optimizer_step=first_step,
                          meta={"model": type(model).__name__, "train": train,
                                "optimizer": type(opt).__name__ if opt is not None else None,
                                "foreach": (opt.param_groups[0].get("foreach")

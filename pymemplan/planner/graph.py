@@ -88,6 +88,12 @@ class StepGraph:
     device: str                                   # target device: "cuda" or "cpu"
     phase_starts: dict[str, int] = field(default_factory=dict)  # phase -> first op index
     meta: dict = field(default_factory=dict)
+    # The optimizer's first step, in which it makes its state (a real run's first step; the
+    # traced step is a later one, with the state present): ``ops``, the [start, end) op
+    # indices of ``optimizer.step()`` in the traced step, and ``events``, its allocations
+    # and frees in order as [action (0 alloc, 1 free), tensor id of the state it makes or
+    # -1, id local to this list, bytes]. None when there is no optimizer.
+    first_optimizer_step: dict | None = None
 
     @property
     def num_ops(self) -> int:

@@ -152,5 +152,6 @@ def rewrite(t, model, spec: str):
             if owner(x) in paths:
                 tensors[i] = resized(x, x.nbytes * keep)
     graph = StepGraph(ops=ops, tensors=tensors, device=g.device, phase_starts=g.phase_starts,
-                      meta={**g.meta, "weights": spec})
+                      meta={**g.meta, "weights": spec},
+                      first_optimizer_step=g.first_optimizer_step)
     return MemoryTrace(graph)

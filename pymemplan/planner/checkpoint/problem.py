@@ -145,7 +145,8 @@ class CheckpointProblem:
                 op.scratch += c.transient
                 ops[c.b0] = op
         return StepGraph(ops=ops, tensors=tensors, device=g.device,
-                         phase_starts=g.phase_starts, meta=dict(g.meta, checkpointed=True))
+                         phase_starts=g.phase_starts, meta=dict(g.meta, checkpointed=True),
+                         first_optimizer_step=g.first_optimizer_step)
 
     def simulate(self, x):
         """Timeline of the step with the plan applied, re-simulated from the storages."""
