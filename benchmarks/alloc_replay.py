@@ -68,6 +68,41 @@ class Prepared:
         self.prepare = prepare
 
 
+# Models of four held-out workloads, built the same way where they are recorded (below) and
+# where reserved_accuracy.py traces their step.
+def t5_model(layers):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(
+        d_model=256, d_ff=1024, num_layers=layers, num_decoder_layers=layers, num_heads=4,
+        vocab_size=8000, decoder_start_token_id=0, pad_token_id=0))
+
+
+def convnext_model():
+    import torchvision
+
+    return torchvision.models.convnext_tiny(num_classes=100)
+
+
+def gpt2_small_vocab_model(layers, seq):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=384, n_head=6, vocab_size=8000,
+                                      n_positions=seq))
+
+
+def lora_model(layers):
+    """A decoder with only its query and value projections trainable."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=16000))
+    for name, p in model.named_parameters():
+        p.requires_grad_("q_proj" in name or "v_proj" in name)
+    return model
+
+
 def workloads():
     import torch
     import torch.nn.functional as F
@@ -231,12 +266,8 @@ def workloads():
     def t5(batch, src, tgt, layers, steps):
         # An encoder-decoder transformer (relative position biases, cross-attention).
         def run():
-            from transformers import T5Config, T5ForConditionalGeneration
-
             torch.manual_seed(0)
-            model = T5ForConditionalGeneration(T5Config(
-                d_model=256, d_ff=1024, num_layers=layers, num_decoder_layers=layers, num_heads=4,
-                vocab_size=8000, decoder_start_token_id=0, pad_token_id=0))
+            model = t5_model(layers)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for _ in range(steps):
                 ids = torch.randint(0, 8000, (batch, src))
@@ -248,10 +279,8 @@ def workloads():
 
     def convnext(batch, size, steps):
         def run():
-            import torchvision
-
             torch.manual_seed(0)
-            model = torchvision.models.convnext_tiny(num_classes=100)
+            model = convnext_model()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for _ in range(steps):
                 x = torch.randn(batch, 3, size, size)
@@ -265,11 +294,8 @@ def workloads():
         # Mixed precision: under autocast every linear layer's weight gets a bf16 copy in the
         # forward pass, kept for backward, and activations come in two widths.
         def run():
-            from transformers import GPT2Config, GPT2LMHeadModel
-
             torch.manual_seed(0)
-            model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=384, n_head=6, vocab_size=8000,
-                                               n_positions=seq))
+            model = gpt2_small_vocab_model(layers, seq)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for _ in range(steps):
                 ids = torch.randint(0, 8000, (batch, seq))
@@ -300,14 +326,8 @@ def workloads():
         # Fine-tuning a few projections of a frozen decoder: gradients and optimizer state for
         # a small share of the parameters only.
         def run():
-            from transformers import LlamaConfig, LlamaForCausalLM
-
             torch.manual_seed(0)
-            model = LlamaForCausalLM(LlamaConfig(
-                hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
-                num_attention_heads=8, num_key_value_heads=4, vocab_size=16000))
-            for name, p in model.named_parameters():
-                p.requires_grad_("q_proj" in name or "v_proj" in name)
+            model = lora_model(layers)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
             for _ in range(steps):
                 ids = torch.randint(0, 16000, (batch, seq))

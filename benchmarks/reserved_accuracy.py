@@ -9,12 +9,14 @@ is what decides an OOM. This checks it against the real thing on CPU: the record
 of ``alloc_replay.py`` (building the model and Adam, then training steps, every
 allocation and free of a real eager run), replayed through the same policy.
 
-Each workload of ``alloc_replay.workloads()`` written as (build the model, one step), and
-whose steps repeat (not the varying sequence lengths of ``*_varlen``), is
-traced as it was recorded: a module whose forward is that step (it makes its own batch),
-with Adam, ``device="cpu"`` (kernel probe on, the CPU default), over the same number of
-steps. Reported per policy: the predicted peak reserved against the replayed one, with the
-run's first step predicted as a first step (the optimizer makes its state there, after
+Each workload whose steps repeat (not the varying sequence lengths of ``*_varlen``) and
+whose step can be written alone is traced as it was recorded: a module whose forward is
+that step (it makes its own batch), with the run's optimizer and autocast, ``device="cpu"``
+(kernel probe on, the CPU default), over the same number of steps. That is the workloads
+written as (build the model, one step), trained with Adam, and four held-out ones written
+as loops: t5_4l, convnext_t_b4, gpt2_4l_bf16 (bf16 autocast) and llama_4l_lora (AdamW).
+Reported per policy: the predicted peak reserved against the replayed one, with the run's
+first step predicted as a first step (the optimizer makes its state there, after
 backward) and, for comparison, as the steady-state step with the state made before the
 run (the prediction before that was modelled).
 """
@@ -35,7 +37,7 @@ POLICIES = ("torch", "pymemplan", "pymemplan-vmm")
 
 
 def step_module(model, step):
-    """The recorded step as a module: forward() makes the batch and returns the loss."""
+    """A recorded step as a module: forward() makes the batch and returns the loss."""
     from torch import nn
 
     class Step(nn.Module):
@@ -44,9 +46,55 @@ def step_module(model, step):
             self.model = model
 
         def forward(self, _unused):
-            return step(self.model, 0)
+            return step(self.model)
 
     return Step()
+
+
+def cases():
+    """name -> (build the step module, optimizer factory, autocast dtype, steps), for every
+    workload of alloc_replay.py whose steps repeat and whose step can be written alone."""
+    import torch
+    import torch.nn.functional as F
+
+    from alloc_replay import (NO_REPEATED_ITERATION, convnext_model, gpt2_small_vocab_model,
+                              lora_model, t5_model, workloads)
+
+    def adam(p):
+        return torch.optim.Adam(p, lr=1e-4)
+
+    def adamw(p):
+        return torch.optim.AdamW(p, lr=1e-4)
+
+    out = {}
+    for name, entry in workloads().items():
+        # (build the model, step(model, i), steps): trained with Adam (_train).
+        if isinstance(entry, tuple) and len(entry) == 3 and name not in NO_REPEATED_ITERATION:
+            make, step, steps = entry
+            out[name] = (lambda make=make, step=step: step_module(make(), lambda m: step(m, 0)),
+                         adam, None, steps)
+
+    # Held-out workloads written as loops: their steps, with the same batches.
+    def lm_step(vocab, batch, seq):
+        def step(model):
+            ids = torch.randint(0, vocab, (batch, seq))
+            return model(input_ids=ids, labels=ids).loss
+        return step
+
+    def t5_step(model):
+        ids, labels = torch.randint(0, 8000, (8, 128)), torch.randint(0, 8000, (8, 64))
+        return model(input_ids=ids, labels=labels).loss
+
+    def convnext_step(model):
+        return F.cross_entropy(model(torch.randn(4, 3, 96, 96)), torch.randint(0, 100, (4,)))
+
+    out["t5_4l"] = (lambda: step_module(t5_model(4), t5_step), adamw, None, 4)
+    out["convnext_t_b4"] = (lambda: step_module(convnext_model(), convnext_step), adamw, None, 3)
+    out["gpt2_4l_bf16"] = (lambda: step_module(gpt2_small_vocab_model(4, 256),
+                                               lm_step(8000, 4, 256)), adamw, torch.bfloat16, 4)
+    out["llama_4l_lora"] = (lambda: step_module(lora_model(4), lm_step(16000, 4, 256)), adamw,
+                            None, 4)
+    return out
 
 
 def main() -> int:
@@ -59,28 +107,25 @@ def main() -> int:
     import torch
 
     import pymemplan
-    from alloc_replay import NO_REPEATED_ITERATION, record_traces, workloads
+    from alloc_replay import record_traces
     from pymemplan.traces.replay import replay
 
-    steps_of = {name: entry for name, entry in workloads().items()
-                if isinstance(entry, tuple) and len(entry) == 3
-                and name not in NO_REPEATED_ITERATION}  # one step traced: it must repeat
-    names = [n for n in steps_of if not args.only or n in args.only]
-    traces = record_traces(names)
+    todo = {n: c for n, c in cases().items() if not args.only or n in args.only}
+    traces = record_traces(list(todo))
     rows = []
-    for name in names:
-        make, step, steps = steps_of[name]
+    for name, (build, optimizer, autocast, steps) in todo.items():
         torch.manual_seed(0)
-        model = step_module(make(), step)
+        model = build()
         t0 = time.perf_counter()
-        t = pymemplan.trace(model, (torch.zeros(()),), device="cpu",
-                            optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))
+        t = pymemplan.trace(model, (torch.zeros(()),), device="cpu", optimizer=optimizer,
+                            autocast=autocast)
         seconds = time.perf_counter() - t0
         recorded = {r.policy: r for r in replay(traces[name], POLICIES)}
         first = {r.policy: r for r in replay(t._repeated_trace(steps), POLICIES)}
         steady = {r.policy: r for r in replay(t._repeated_trace(steps, first_step=False),
                                               POLICIES)}
-        row = {"workload": name, "steps": steps, "trace_seconds": round(seconds, 2),
+        row = {"workload": name, "steps": steps, "optimizer": t.graph.meta["optimizer"],
+               "autocast": t.graph.meta["autocast"], "trace_seconds": round(seconds, 2),
                "live": {"recorded": recorded["torch"].peak_live_bytes,
                         "predicted": t.peak_bytes}}
         for p in POLICIES:
