@@ -27,6 +27,8 @@ CONFIGS = [
     ("pymemplan-vmm", "vmm_segment_mb:64", 16 * GiB, 3 * GiB, 4, True),
     ("torch", "", 4 * GiB, 0, 3, True),
     ("torch", "max_split_size_mb:64,roundup_power2_divisions:4", 16 * GiB, 3 * GiB, 4, True),
+    ("torch", "expandable_segments:True", 4 * GiB, 0, 3, True),
+    ("torch", "expandable_segments:True", 16 * GiB, 96 * MiB, 3, True),  # under memory pressure
     ("nocache", "", 4 * GiB, 0, 3, True),
     ("pymemplan-planned", "", 4 * GiB, 0, 3, True),
     # Periodic: a repeated iteration program (with divergences and alternating shapes), so that

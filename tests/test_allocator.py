@@ -128,6 +128,86 @@ def test_torch_oom_ladder_releases_cache_and_retries():
     check_invariants(a, dev, {ps[3]: 12 * MiB, big: 40 * MiB})
 
 
+# --- torch with expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF) ---
+
+EXPANDABLE = "expandable_segments:True"
+
+
+def test_torch_expandable_segments_grow_one_range_per_pool_by_20_mib():
+    dev, a = make("torch", EXPANDABLE)
+    p = a.malloc(30 * MiB)  # the large pool maps 20 MiB at a time: 40 MiB
+    assert a.stats()["reserved_bytes.large_pool.current"] == 40 * MiB
+    q = a.malloc(25 * MiB)  # 10 MiB free at the end of the mapped range: map 20 more, merge
+    assert q == p + 30 * MiB and a.stats()["reserved_bytes.all.current"] == 60 * MiB
+    s = a.malloc(100)  # the small pool has its own range, mapped 2 MiB at a time
+    assert a.stats()["reserved_bytes.small_pool.current"] == 2 * MiB
+    segs = a.snapshot()["segments"]
+    assert len(segs) == 2 and all(seg["total_size"] > dev.capacity for seg in segs)
+    check_invariants(a, dev, {p: 30 * MiB, q: 25 * MiB, s: 100})
+
+
+def test_torch_expandable_segments_reuse_a_freed_block_that_a_larger_request_outgrows():
+    # A freed block at the end of the mapped range grows into the unmapped space after it:
+    # only the difference is mapped, where torch's own segments make a new one.
+    for config, reserved in [("", 100 * MiB), (EXPANDABLE, 80 * MiB)]:
+        dev, a = make("torch", config)
+        keep = a.malloc(20 * MiB)
+        last = a.malloc(30 * MiB)
+        a.free(last)
+        bigger = a.malloc(50 * MiB)
+        assert a.stats()["reserved_bytes.all.current"] == reserved, config
+        check_invariants(a, dev, {keep: 20 * MiB, bigger: 50 * MiB})
+    assert bigger == last  # in place
+
+
+def test_torch_expandable_segments_best_fit_keeps_the_end_free_to_grow():
+    # Two free blocks fit a request: the one at the end of the mapped range could grow, so
+    # the other is taken even though it is larger (torch: get_free_block()).
+    dev, a = make("torch", EXPANDABLE)
+    a1 = a.malloc(12 * MiB)
+    sep = a.malloc(8 * MiB)
+    a2 = a.malloc(10 * MiB)  # [a1 12][sep 8][a2 10][free 10] of 40 MiB mapped
+    a.free(a1)
+    p = a.malloc(10 * MiB)
+    assert p == a1
+    check_invariants(a, dev, {sep: 8 * MiB, a2: 10 * MiB, p: 10 * MiB})
+
+
+def test_torch_expandable_segments_give_back_free_chunks_on_empty_cache_and_on_oom():
+    # A range is 1/8 larger than the device: 120 MiB of addresses here.
+    dev, a = make("torch", EXPANDABLE, capacity=100 * MiB)
+    ps = [a.malloc(20 * MiB) for _ in range(4)]
+    for p in ps[:3]:
+        a.free(p)
+    a.empty_cache()  # whole 20 MiB chunks under free blocks are unmapped
+    assert a.stats()["reserved_bytes.all.current"] == 20 * MiB
+    again = [a.malloc(20 * MiB) for _ in range(3)]  # mapped anew in the freed address space
+    assert again == ps[:3]
+    a.free(again[0])
+    a.free(again[2])
+    # 40 MiB fit in neither free 20 MiB block, and the device has 20 MiB left: the OOM rung
+    # unmaps the free chunks, and the range then grows after the last block.
+    big = a.malloc(40 * MiB)
+    st = a.stats()
+    assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0
+    assert st["reserved_bytes.all.current"] == 80 * MiB and big == ps[3] + 20 * MiB
+    check_invariants(a, dev, {ps[1]: 20 * MiB, ps[3]: 20 * MiB, big: 40 * MiB})
+    for p in (big, ps[1], ps[3]):
+        a.free(p)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0 and dev.used == 0
+
+
+def test_torch_expandable_segments_fail_cleanly_when_the_device_is_full():
+    dev, a = make("torch", EXPANDABLE, capacity=64 * MiB)
+    p = a.malloc(50 * MiB)  # 60 MiB mapped
+    with pytest.raises(_core.OutOfMemoryError, match="no free pages"):
+        a.malloc(20 * MiB)
+    check_invariants(a, dev, {p: 50 * MiB})
+    q = a.malloc(9 * MiB)  # what is mapped still serves
+    check_invariants(a, dev, {p: 50 * MiB, q: 9 * MiB})
+
+
 # --- Our policy ---
 
 def test_ours_segment_sizes():
@@ -366,6 +446,8 @@ def test_double_free_of_a_block_waiting_on_events():
     ("pymemplan", "release_before_grow:maybe", "True or False"),
     ("pymemplan", "max_split_size_mb", "not of the form key:value"),
     ("nocache", "max_split_size_mb:64", "valid keys: none"),
+    ("torch", "expandable_segments:maybe", "bad value 'maybe'.*True or False"),
+    ("pymemplan", "expandable_segments:True", "unknown key 'expandable_segments'.*vmm"),
 ])
 def test_bad_config_lists_what_is_valid(policy, config, match):
     with pytest.raises(_core.AllocatorError, match=match):

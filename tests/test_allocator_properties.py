@@ -14,6 +14,7 @@ POLICIES = [
     ("pymemplan", ""),
     ("torch", ""),
     ("torch", "max_split_size_mb:24,roundup_power2_divisions:4"),
+    ("torch", "expandable_segments:True"),
     ("pymemplan", "max_split_size_mb:24"),
     ("pymemplan", "release_before_grow:False,cross_stream_reuse:False"),
     ("pymemplan-vmm", ""),

@@ -59,6 +59,10 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, PolicyConfig 
     throw AllocatorError("policy config asks for vmm, but this device has no virtual memory "
                          "support; use policy 'pymemplan' or vmm:False");
   }
+  if (config_.expandable_segments && !device_->supports_vmm()) {
+    throw AllocatorError("policy config asks for expandable_segments, but this device has no "
+                         "virtual memory support; use expandable_segments:False");
+  }
   small_.small = true;
   stats_.max_split_size = config_.max_split_size == kNoLimit
                               ? -1
@@ -165,7 +169,8 @@ bool CachingAllocator::should_split(const Block* block, std::size_t rounded) con
       // torch: should_split(): the small pool splits any remainder of at least 512 B; the
       // large pool splits only requests below max_split_size with a remainder above 1 MiB
       // (a smaller remainder stays attached to the block, allocated but unused).
-      if (block->segment->small) return remaining >= kMinBlockSize;
+      // With expandable segments, both pools split any remainder of at least 512 B.
+      if (block->segment->small || config_.expandable_segments) return remaining >= kMinBlockSize;
       return rounded < config_.max_split_size && remaining > kSmallSize;
     case PolicyKind::Pymemplan:
       // ours: split any remainder of at least 512 B in both pools, so granularity tails and
@@ -463,6 +468,28 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
     }
     return take(b, rounded, size, stream);
   }
+  if (config_.expandable_segments) {
+    // torch: alloc_block() with expandable segments: a segment of this stream and pool grows
+    // instead of a cudaMalloc; when that fails, cached blocks are released (their free
+    // chunks unmapped) and it is tried once more.
+    if (b == nullptr) b = expand(pool, rounded, stream);
+    if (b == nullptr) {
+      synchronize_and_free_events();
+      release_cached(kNoLimit);
+      ++stats_.num_alloc_retries;
+      b = expand(pool, rounded, stream);
+    }
+    if (b == nullptr) {
+      ++stats_.num_ooms;
+      const bool over_limit = limit_ != 0 && reserved_ + static_cast<std::int64_t>(rounded) >
+                                                 static_cast<std::int64_t>(limit_);
+      *oom = oom_message(size, rounded, stream,
+                         over_limit ? "the pages it needs would exceed the memory limit"
+                                    : "the device has no free pages for it");
+      return nullptr;
+    }
+    return take(b, rounded, size, stream);
+  }
   if (b == nullptr) {
     const std::size_t seg = segment_size(rounded);
     if (config_.release_before_grow && !unused_segments_.empty() &&
@@ -508,6 +535,20 @@ Block* CachingAllocator::best_fit(Pool& pool, std::size_t rounded, StreamId key)
   probe.addr = 0;
   auto it = pool.free.lower_bound(&probe);
   if (it == pool.free.end() || (*it)->stream != key) return nullptr;
+  if (config_.expandable_segments && (*it)->segment->chunk != 0) {
+    // torch: get_free_block(): a block followed by unmapped space counts, for best fit, at
+    // the size it can grow to; a larger block that cannot grow as far is taken instead, so
+    // that the segment's end stays free to grow.
+    auto growable = [](const Block* b) {
+      return b->size + (b->next != nullptr && b->next->unmapped ? b->next->size : 0);
+    };
+    for (auto next = std::next(it);
+         (*it)->segment->chunk != 0 && next != pool.free.end() && (*next)->stream == key &&
+         growable(*next) < growable(*it);
+         ++next) {
+      it = next;
+    }
+  }
   return *it;
 }
 
@@ -604,6 +645,7 @@ Block* CachingAllocator::split(Block* b, std::uintptr_t at) {
   rest->free_seq = b->free_seq;
   rest->claimed = b->claimed;
   if (rest->claimed) ++claimed_blocks_;
+  rest->unmapped = b->unmapped;
   rest->segment = b->segment;
   rest->prev = b;
   rest->next = b->next;
@@ -646,7 +688,7 @@ Block* CachingAllocator::coalesce(Block* b) {
   // of the same owner, and shared ones (kAnyStream). Merging with another stream's block
   // would let one stream reuse memory the other may still be using.
   auto joinable = [&](Block* n) {
-    return n != nullptr && n->listed && n->claimed == b->claimed &&
+    return n != nullptr && n->listed && n->claimed == b->claimed && n->unmapped == b->unmapped &&
            (n->stream == b->stream || n->stream == kAnyStream);
   };
   if (joinable(b->prev)) {
@@ -683,14 +725,17 @@ Block* CachingAllocator::merge(Block* first, Block* second) {
 void CachingAllocator::insert_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
   const bool reserved = b->segment->arena || b->claimed;
-  if (reserved) {
+  if (b->unmapped) {
+    unmapped_free_.insert(b);
+  } else if (reserved) {
     arena_free_.insert(b);
   } else {
     pool.free.insert(b);
   }
   b->listed = true;
   if (b->is_whole_segment()) {
-    if (!reserved) unused_segments_.insert(b);  // arenas go back only when retired
+    // Arenas go back only when retired, expandable segments never (their pages do).
+    if (!reserved && !b->unmapped) unused_segments_.insert(b);
   } else {
     update_stat(&Stats::inactive_split, pool.small, 1);
     update_stat(&Stats::inactive_split_bytes, pool.small, static_cast<std::int64_t>(b->size));
@@ -700,14 +745,16 @@ void CachingAllocator::insert_free(Block* b) {
 void CachingAllocator::erase_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
   const bool reserved = b->segment->arena || b->claimed;
-  if (reserved) {
+  if (b->unmapped) {
+    unmapped_free_.erase(b);
+  } else if (reserved) {
     arena_free_.erase(b);
   } else {
     pool.free.erase(b);
   }
   b->listed = false;
   if (b->is_whole_segment()) {
-    if (!reserved) unused_segments_.erase(b);
+    if (!reserved && !b->unmapped) unused_segments_.erase(b);
   } else {
     update_stat(&Stats::inactive_split, pool.small, -1);
     update_stat(&Stats::inactive_split_bytes, pool.small, -static_cast<std::int64_t>(b->size));
@@ -746,7 +793,7 @@ void CachingAllocator::collapse_free_segments() {
   // synchronized first, and the merged block is then safe for every stream.
   for (auto& [addr, seg] : segments_) {
     Block* head = seg->head;
-    if (head->next == nullptr || seg->arena) continue;
+    if (head->next == nullptr || seg->arena || seg->chunk != 0) continue;
     bool all_free = true;
     // Listed, not merely free: a block being handed out is free but already off the lists.
     for (Block* b = head; b != nullptr && all_free; b = b->next) all_free = b->listed;
@@ -770,6 +817,102 @@ void CachingAllocator::collapse_free_segments() {
     }
     insert_free(head);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expandable segments (a model of PyTorch's expandable_segments:True)
+
+Block* CachingAllocator::expand(Pool& pool, std::size_t rounded, StreamId stream) {
+  // torch: find_expandable_block(): the lowest address at which free and unmapped space of
+  // this stream's segments of the pool adds up to the request: an unmapped block, taken
+  // with the free block before it.
+  auto usable = [](const Block* x) { return x != nullptr && x->listed; };
+  Block* start = nullptr;
+  for (auto& [addr, seg] : segments_) {
+    if (seg->chunk == 0 || seg->small != pool.small || seg->stream != stream) continue;
+    for (Block* c = seg->head; c != nullptr && start == nullptr; c = c->next) {
+      if (!c->unmapped) continue;
+      Block* first = usable(c->prev) ? c->prev : c;
+      std::size_t room = 0;
+      for (Block* x = first; room < rounded && usable(x); x = x->next) room += x->size;
+      if (room >= rounded) start = first;
+    }
+    if (start != nullptr) break;
+  }
+  if (start == nullptr) {
+    // torch: a new segment is address space only, an eighth larger than the device's memory;
+    // the small pool maps 2 MiB at a time, the large one 20 MiB (kSmallBuffer, kLargeBuffer).
+    const std::size_t page = device_->granularity();
+    const std::size_t chunk = round_up(pool.small ? kSmallBuffer : kLargeBuffer, page);
+    const std::size_t capacity = device_->capacity();
+    const std::size_t bytes = round_up(std::max(capacity + capacity / 8, rounded), chunk);
+    void* ptr = device_->reserve_address(bytes);
+    Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, pool.small, true);
+    b->segment->chunk = chunk;
+    b->segment->pages.assign(bytes / page, 0);
+    b->segment->users.assign(bytes / page, 0);
+    b->unmapped = true;
+    insert_free(b);
+    start = b;
+  }
+  // torch: try_allocate_expandable_block(): map the unmapped blocks of the run, in order,
+  // until the free block they merge into is large enough.
+  Block* b = start->unmapped ? map_chunks(start, std::min(start->size, rounded)) : start;
+  while (b != nullptr && b->size < rounded) {
+    b = map_chunks(b->next, std::min(rounded - b->size, b->next->size));
+  }
+  if (b == nullptr) return nullptr;
+  erase_free(b);
+  return b;
+}
+
+Block* CachingAllocator::map_chunks(Block* b, std::size_t bytes) {
+  // torch: map_block().
+  Segment* seg = b->segment;
+  const std::size_t n = std::min(b->size, round_up(bytes, seg->chunk));
+  if (!map_pages(seg, b->addr, b->addr + n)) return nullptr;
+  erase_free(b);
+  if (n < b->size) insert_free(split(b, b->addr + n));  // the rest stays unmapped
+  b->unmapped = false;
+  b = coalesce(b);
+  insert_free(b);
+  return b;
+}
+
+std::size_t CachingAllocator::unmap_free_chunks() {
+  // torch: release_cached_blocks() -> unmap_block(): the whole chunks under free blocks of
+  // expandable segments go back; the parts of those blocks outside them stay mapped.
+  const std::size_t page = device_->granularity();
+  std::size_t released = 0;
+  for (auto& [addr, seg] : segments_) {
+    if (seg->chunk == 0) continue;
+    std::vector<Block*> mapped_free;
+    for (Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->listed && !b->unmapped) mapped_free.push_back(b);
+    }
+    for (Block* b : mapped_free) {
+      const std::uintptr_t lo = seg->addr + round_up(b->addr - seg->addr, seg->chunk);
+      const std::uintptr_t hi =
+          seg->addr + (b->addr + b->size - seg->addr) / seg->chunk * seg->chunk;
+      if (lo >= hi) continue;
+      // Unmapping does not wait for queued work (cudaFree does): the owner must be done.
+      if (b->stream != kAnyStream) synchronize_stream(b->stream);
+      erase_free(b);
+      Block* middle = b;
+      if (lo > b->addr) {
+        middle = split(b, lo);
+        insert_free(b);
+      }
+      if (hi < middle->addr + middle->size) insert_free(split(middle, hi));
+      for (std::size_t i = (lo - seg->addr) / page; i < (hi - seg->addr) / page; ++i) {
+        if (seg->pages[i] != 0) unmap_page(seg, i);
+      }
+      released += hi - lo;
+      middle->unmapped = true;
+      insert_free(coalesce(middle));
+    }
+  }
+  return released;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -841,7 +984,7 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
       reserved_ += static_cast<std::int64_t>(page);
       reserved_hwm_ = std::max(reserved_hwm_, reserved_);
       grow_mark_ = std::max(grow_mark_, reserved_);
-      update_stat(&Stats::reserved_bytes, false, static_cast<std::int64_t>(page));
+      update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
       ++stats_.num_device_alloc;
     }
   } catch (...) {
@@ -859,7 +1002,7 @@ void CachingAllocator::unmap_page(Segment* seg, std::size_t i) {
   --seg->mapped;
   if (seg->users[i] == 0) --seg->unused_mapped;
   reserved_ -= static_cast<std::int64_t>(page);
-  update_stat(&Stats::reserved_bytes, false, -static_cast<std::int64_t>(page));
+  update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
   ++stats_.num_device_free;
 }
 
@@ -887,7 +1030,9 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     for (auto& [addr, seg] : segments_) {
       if (reclaimed >= want) return reclaimed;
       // Only segments with mapped pages that no block uses (counted as blocks come and go).
-      if (!seg->vmm || seg->unused_mapped == 0 || seg->arena != arenas) continue;
+      if (!seg->vmm || seg->unused_mapped == 0 || seg->arena != arenas || seg->chunk != 0) {
+        continue;  // expandable segments give back only whole free chunks (unmap_free_chunks)
+      }
       std::vector<std::size_t> victims;
       for (std::size_t i = 0; i < seg->pages.size() && reclaimed + victims.size() * page < want &&
                               victims.size() < seg->unused_mapped;
@@ -1146,7 +1291,7 @@ bool CachingAllocator::share_pair(Segment* keep, std::size_t ki, Segment* alias,
   device_->release_page(own);
   alias->pages[ai] = kept;
   reserved_ -= static_cast<std::int64_t>(page);
-  update_stat(&Stats::reserved_bytes, false, -static_cast<std::int64_t>(page));
+  update_stat(&Stats::reserved_bytes, alias->small, -static_cast<std::int64_t>(page));
   ++stats_.num_device_free;
   auto* s = new Share{{keep, alias}, {ki, ai}, {}};
   // Each side's guards: the offsets the other side's blocks hold. The alias side owns only
@@ -1248,8 +1393,11 @@ void CachingAllocator::end_share(Share* s, int side) {
 }
 
 std::size_t CachingAllocator::release_cached(std::size_t needed) {
-  if (needed == kNoLimit) collapse_free_segments();
   std::size_t released = 0;
+  if (needed == kNoLimit) {
+    released += unmap_free_chunks();
+    collapse_free_segments();
+  }
   while (released < needed && !unused_segments_.empty()) {
     Block* b = *unused_segments_.begin();  // the largest
     released += b->size;

@@ -182,6 +182,17 @@ class CachingAllocator : public Allocator {
   bool acceptable(const Block* block, std::size_t rounded) const;
   Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
   Block* add_segment(std::uintptr_t addr, std::size_t bytes, StreamId stream, bool small, bool vmm);
+  // Expandable segments (torch, expandable_segments). A block of at least `rounded` bytes,
+  // free and listed nowhere, made by mapping address space after (or in) a free block of
+  // `stream`'s expandable segments, or in a new one; nullptr if the pages cannot be had.
+  Block* expand(Pool& pool, std::size_t rounded, StreamId stream);
+  // Maps the first `bytes` (rounded up to the segment's chunk) of the unmapped block `b`
+  // (listed) and returns the free block it became, merged with free mapped neighbours and
+  // listed; nullptr (nothing changed) if the pages cannot be had.
+  Block* map_chunks(Block* b, std::size_t bytes);
+  // Unmaps every whole chunk under free blocks of expandable segments (torch's
+  // release_cached_blocks); returns bytes unmapped.
+  std::size_t unmap_free_chunks();
   // Virtual memory (config_.vmm, large pool).
   Block* new_virtual_segment(std::size_t rounded, StreamId stream);
   bool back(Block* block, std::size_t rounded);
@@ -269,6 +280,7 @@ class CachingAllocator : public Allocator {
   std::set<Block*, LargestFirst> unused_segments_;        // free blocks spanning a whole segment
                                                           // (arenas excepted)
   std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas, and claimed ones
+  std::set<Block*, BlockByAddress> unmapped_free_;        // unmapped blocks of expandable segments
   std::size_t claimed_blocks_ = 0;                        // blocks (free or not) marked claimed
   std::unordered_map<std::uintptr_t, Share*> shares_;     // by page address, both sides
   std::deque<PendingEvent> pending_;

@@ -32,6 +32,10 @@ struct Block {
   // Covers offsets of a shared page that the page's other address owns (share_pages): never
   // handed out, listed nowhere, shown as inactive. Removed when the sharing ends.
   bool guard = false;
+  // Address space of an expandable segment with no pages behind it (torch,
+  // expandable_segments): free, listed apart from the blocks best fit searches, and merged
+  // only with blocks like it. Mapped when the segment grows into it.
+  bool unmapped = false;
   int pending_events = 0;             // freed, but waiting on this many events before reuse
   std::vector<StreamId> stream_uses;  // streams other than `stream` that used it (record_stream)
   std::uint64_t free_seq = 0;         // order in which it became free (for stream drains)
@@ -59,6 +63,9 @@ struct Segment {
   // unused_mapped: pages mapped with no user, which reclaiming may give back.
   std::vector<std::uint32_t> users;
   std::size_t unused_mapped = 0;
+  // An expandable segment (torch, expandable_segments): pages are mapped this many bytes
+  // at a time, each run aligned to the segment's start; 0 for other segments.
+  std::size_t chunk = 0;
   // An arena of plan-guided placement: its free blocks are never searched by best fit;
   // memory in it is handed out only at the offsets a plan names (allocate_at).
   bool arena = false;

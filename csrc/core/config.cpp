@@ -14,6 +14,7 @@ struct KeyInfo {
   const char* key;
   const char* values;  // what a valid value looks like, for error messages
   bool ours_only;
+  bool torch_only = false;
 };
 
 constexpr KeyInfo kKeys[] = {
@@ -25,7 +26,15 @@ constexpr KeyInfo kKeys[] = {
     {"medium_segment_mb", "an integer >= 0 (MiB; 0: exact-size segments)", true},
     {"vmm", "True or False", true},
     {"vmm_segment_mb", "an integer >= 2 (MiB)", true},
+    {"expandable_segments", "True or False", false, true},
 };
+
+bool accepts(const KeyInfo& k, PolicyKind kind) {
+  if (kind == PolicyKind::NoCache) return false;  // nocache has no knobs
+  if (k.ours_only) return kind == PolicyKind::Pymemplan;
+  if (k.torch_only) return kind == PolicyKind::Torch;
+  return true;
+}
 
 std::string trim(const std::string& s) {
   std::size_t b = 0, e = s.size();
@@ -37,8 +46,7 @@ std::string trim(const std::string& s) {
 std::string valid_keys(PolicyKind kind) {
   std::string out;
   for (const auto& k : kKeys) {
-    if (k.ours_only && kind != PolicyKind::Pymemplan) continue;
-    if (kind == PolicyKind::NoCache) break;  // nocache has no knobs
+    if (!accepts(k, kind)) continue;
     out += out.empty() ? "" : ", ";
     out += std::string(k.key) + " (" + k.values + ")";
   }
@@ -121,10 +129,7 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     std::string value = trim(item.substr(colon + 1));
     bool known = false;
     for (const auto& k : kKeys) {
-      if (key == k.key && !(k.ours_only && c.kind != PolicyKind::Pymemplan) &&
-          c.kind != PolicyKind::NoCache) {
-        known = true;
-      }
+      if (key == k.key && accepts(k, c.kind)) known = true;
     }
     if (!known) {
       throw AllocatorError("allocator config: unknown key '" + key + "' for policy '" + policy +
@@ -160,6 +165,8 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       c.vmm_segment = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "cross_stream_reuse") {
       c.cross_stream_reuse = parse_bool(key, value);
+    } else if (key == "expandable_segments") {
+      c.expandable_segments = parse_bool(key, value);
     }
   }
   return c;
@@ -178,6 +185,7 @@ std::string PolicyConfig::to_string() const {
   }
   put("max_non_split_rounding_mb", std::to_string(max_non_split_rounding / kMiB));
   put("roundup_power2_divisions", std::to_string(roundup_power2_divisions));
+  if (kind == PolicyKind::Torch) put("expandable_segments", expandable_segments ? "True" : "False");
   if (kind == PolicyKind::Pymemplan) {
     put("release_before_grow", release_before_grow ? "True" : "False");
     put("cross_stream_reuse", cross_stream_reuse ? "True" : "False");

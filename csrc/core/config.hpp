@@ -40,6 +40,10 @@ struct PolicyConfig {
   bool vmm = false;
   // Size of the address ranges reserved for virtual segments (vmm only).
   std::size_t vmm_segment = 1024 * kMiB;
+  // PyTorch's expandable segments (torch only; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
+  // one address range per stream and pool, mapped at its end as it grows, 2 MiB at a time
+  // for the small pool and 20 MiB for the large one.
+  bool expandable_segments = false;
 
   // Defaults of a named policy ("pymemplan", "pymemplan-vmm", "torch", "nocache") then the
   // settings in `conf`.

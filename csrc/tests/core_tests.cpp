@@ -106,6 +106,7 @@ int main(int argc, char** argv) {
                               {"pymemplan-vmm", "vmm_segment_mb:64"},
                               {"torch", ""},
                               {"torch", "max_split_size_mb:48,roundup_power2_divisions:4"},
+                              {"torch", "expandable_segments:True"},
                               {"nocache", ""},
                               {"pymemplan-planned", ""},
                               // periodic: a repeated iteration program, so plans serve requests
