@@ -89,7 +89,10 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
     footprint = sum(-(-x["total_size"] // g) * g for x in classic) + held_pages * g
     assert device.used == footprint, (device.used, footprint)
     assert reserved <= footprint
-    assert stats["num_device_alloc"] - stats["num_device_free"] == len(classic) + held_pages
+    # One device call per segment, and per page (per chunk of an expandable segment).
+    held_units = sum((sum(s["page_mapped"]) - sum(s["page_aliased"])) * s["page_size"]
+                     // s["chunk_size"] for s in virtual)
+    assert stats["num_device_alloc"] - stats["num_device_free"] == len(classic) + held_units
     # Blocks in use never share physical memory, even where two addresses map one page.
     pieces = []
     for seg in virtual:

@@ -353,6 +353,7 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     if (seg->vmm) {
       s.is_virtual = true;
       s.page_size = device_->granularity();
+      s.chunk_size = seg->chunk != 0 ? seg->chunk : s.page_size;
       std::size_t aliased = 0;
       for (std::size_t i = 0; i < seg->pages.size(); ++i) {
         s.page_mapped.push_back(seg->pages[i] != 0);
@@ -985,7 +986,8 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
       reserved_hwm_ = std::max(reserved_hwm_, reserved_);
       grow_mark_ = std::max(grow_mark_, reserved_);
       update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
-      ++stats_.num_device_alloc;
+      // An expandable segment maps whole chunks, each one cuMemCreate + cuMemMap in torch.
+      if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_alloc;
     }
   } catch (...) {
     undo();
@@ -1003,7 +1005,7 @@ void CachingAllocator::unmap_page(Segment* seg, std::size_t i) {
   if (seg->users[i] == 0) --seg->unused_mapped;
   reserved_ -= static_cast<std::int64_t>(page);
   update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
-  ++stats_.num_device_free;
+  if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_free;
 }
 
 void CachingAllocator::count_use(const Block* b, int delta) {
