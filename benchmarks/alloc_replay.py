@@ -1,7 +1,8 @@
 """Record allocation traces of real training runs on CPU and replay them through allocator
 policies: ours (`pymemplan`, `pymemplan-vmm`, `pymemplan-planned`), a model of PyTorch's
-native caching allocator (`torch`), no caching (`nocache`), against the lower bound (peak
-live bytes). Synthetic traces (benchmarks/synthetic_traces.py) add the patterns where
+native caching allocator as it is (`torch`) and with `expandable_segments:True` (PyTorch's
+own answer to fragmentation), no caching (`nocache`), against the lower bound (peak live
+bytes). Synthetic traces (benchmarks/synthetic_traces.py) add the patterns where
 fragmentation bites: many sizes, growing then shrinking memory, two streams.
 
     python benchmarks/alloc_replay.py            # record (cached in benchmarks/traces/) + replay
@@ -36,7 +37,11 @@ HERE = Path(__file__).resolve().parent
 TRACE_DIR = HERE / "traces"
 RESULT = HERE / "results" / "alloc_replay.json"
 PAGE = 2 << 20  # the simulated device's granularity, as on current NVIDIA GPUs
-POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache")
+# PyTorch's allocator as it is, and with expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF),
+# its own answer to fragmentation.
+EXPANDABLE = "torch=expandable_segments:True"
+POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDABLE, "nocache")
+SHORT = {EXPANDABLE: "torch expandable"}  # column names
 # Traces in which no iteration repeats: every step has a sequence length of its own (see
 # workloads()), or every decoding step a longer cache, so there is no steady state for a plan
 # to reach.
@@ -418,10 +423,12 @@ def available(policies):
     """The policies this build knows."""
     from pymemplan import _core
 
+    from pymemplan.traces.replay import parse_policy
+
     out = []
     for p in policies:
         try:
-            _core.parse_config(p, "")
+            parse_policy(p)
         except _core.AllocatorError:
             print(f"policy {p} is not available in this build; skipped")
             continue
@@ -440,9 +447,12 @@ def oom_capacity(trace, policy, lo, hi, granularity=PAGE):
     """The largest capacity (a multiple of the granularity) at which `policy` refuses some
     request, between lo (fails) and hi (succeeds); None if it never fails at lo."""
     from pymemplan import _core
+    from pymemplan.traces.replay import parse_policy
+
+    name, config = parse_policy(policy)
 
     def fails(cap):
-        return _core.replay(trace.action, trace.ptr, trace.size, trace.stream, policy, "",
+        return _core.replay(trace.action, trace.ptr, trace.size, trace.stream, name, config,
                             cap, granularity)["ooms"] > 0
 
     lo = lo // granularity * granularity
@@ -490,7 +500,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from pymemplan import _core
-    from pymemplan.traces.replay import replay
+    from pymemplan.traces.replay import parse_policy, replay
     from pymemplan.units import format_bytes
     import synthetic_traces
 
@@ -511,8 +521,8 @@ def main() -> int:
         torch_cap = next(r["oom_capacity_bytes"] for r in results if r["policy"] == "torch")
         for r in results:
             r["ooms_at_torch_oom_capacity"] = None if torch_cap is None else _core.replay(
-                trace.action, trace.ptr, trace.size, trace.stream, r["policy"], "", torch_cap,
-                PAGE)["ooms"]
+                trace.action, trace.ptr, trace.size, trace.stream, *parse_policy(r["policy"]),
+                torch_cap, PAGE)["ooms"]
         for r in results:
             # Timing on a shared machine is noisy: the best of --timing-runs runs. Planning (the
             # one-off cost of computing plans) is reported apart from serving requests.
@@ -520,8 +530,8 @@ def main() -> int:
             r["ns_per_event_serving"] = r["ns_per_event"]
             extra = max(args.timing_runs - 1, 1 if r["policy"] == "pymemplan-planned" else 0)
             for _ in range(extra):
-                t = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, r["policy"],
-                                 "", 80 << 30, PAGE)
+                t = _core.replay(trace.action, trace.ptr, trace.size, trace.stream,
+                                 *parse_policy(r["policy"]), 80 << 30, PAGE)
                 r["ns_per_event"] = min(r["ns_per_event"], t["ns_per_event"])
                 r["planning_seconds"] = t["planning_seconds"]
                 serving = t["ns_per_event"] - t["planning_seconds"] * 1e9 / t["events"]
@@ -544,6 +554,9 @@ def main() -> int:
                  "page_floor_over_live": page_floor(o["peak_live_bytes"]),
                  "steady_page_floor_over_live": page_floor(o["steady_peak_live_bytes"]),
                  "over_torch": o["peak_reserved_bytes"] / t["peak_reserved_bytes"],
+                 "over_torch_expandable": (o["peak_reserved_bytes"]
+                                           / by[(name, EXPANDABLE)]["peak_reserved_bytes"]
+                                           if (name, EXPANDABLE) in by else None),
                  "at_most_torch": o["peak_reserved_bytes"] <= t["peak_reserved_bytes"],
                  "runs_where_torch_fails": o["ooms_at_torch_oom_capacity"] in (0, None)}
             if pol == "pymemplan":
@@ -586,20 +599,25 @@ def main() -> int:
     def ratio(x):
         return "–" if x is None else f"{x:.3f}"
 
+    def short(p):
+        return SHORT.get(p, p)
+
     ours = [p for p in policies if p.startswith("pymemplan")]
+    torches = [p for p in policies if p.startswith("torch")]
     print("Peak reserved / peak live, over the whole trace and in the steady state "
           "(from the first request a plan served):\n")
-    print(table(["trace", "events", "peak live"] + policies
-                + [f"steady: {p}" for p in ours + ["torch"]],
+    print(table(["trace", "events", "peak live"] + [short(p) for p in policies]
+                + [f"steady: {short(p)}" for p in ours + torches],
                 lambda n: [n, f"{by[(n, policies[0])]['events']:,}",
                            format_bytes(by[(n, policies[0])]["peak_live_bytes"])]
                 + [ratio(by[(n, p)]["reserved_over_live"]) for p in policies]
-                + [ratio(by[(n, p)]["steady_reserved_over_live"]) for p in ours + ["torch"]]))
+                + [ratio(by[(n, p)]["steady_reserved_over_live"]) for p in ours + torches]))
     print("\nThe largest capacity at which each policy still fails (smaller is better), "
           "device calls and replay speed:\n")
     cap = [p for p in policies if p != "nocache"]
-    print(table(["trace"] + [f"fails at: {p}" for p in cap] + [f"device allocs: {p}" for p in cap]
-                + [f"ns/event: {p}" for p in cap],
+    print(table(["trace"] + [f"fails at: {short(p)}" for p in cap]
+                + [f"device allocs: {short(p)}" for p in cap]
+                + [f"ns/event: {short(p)}" for p in cap],
                 lambda n: [n] + [format_bytes(by[(n, p)]["oom_capacity_bytes"])
                                  if by[(n, p)]["oom_capacity_bytes"] else "–" for p in cap]
                 + [f"{by[(n, p)]['device_allocs']:,}" for p in cap]
