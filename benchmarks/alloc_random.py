@@ -35,7 +35,8 @@ from pymemplan.traces import replay  # noqa: E402
 
 RESULTS = {"training": HERE / "results" / "alloc_random.json",
            "evaluation": HERE / "results" / "alloc_random_evaluation.json"}
-POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch")
+EXPANDABLE = "torch=expandable_segments:True"  # PyTorch's own remedy for fragmentation
+POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDABLE)
 # Differences under this share of the live bytes are one page on the smallest runs, not a
 # pattern: a plan that arms, diverges and leaves the pool another layout may cost a page.
 TOLERANCE = 0.005
@@ -86,6 +87,9 @@ def main() -> int:
         "pymemplan-planned above torch": over("pymemplan-planned", "torch"),
         "pymemplan-planned above pymemplan-vmm": over("pymemplan-planned", "pymemplan-vmm"),
         "pymemplan above torch": over("pymemplan", "torch"),
+        "pymemplan-vmm above torch expandable": over("pymemplan-vmm", EXPANDABLE),
+        "pymemplan-planned above torch expandable": over("pymemplan-planned", EXPANDABLE),
+        "torch expandable above torch": over(EXPANDABLE, "torch"),
     }
     command = "python benchmarks/alloc_random.py" + ("" if args.loops == "training" else f" --loops {args.loops}")
     out = {"command": command + ("" if args.seeds == 200 else f" --seeds {args.seeds}"),
@@ -95,10 +99,10 @@ def main() -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
     print(f"{args.seeds} random {args.loops} loops in {seconds:.0f} s; peak reserved / peak live:")
-    print(f"  {'policy':20s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
+    print(f"  {'policy':30s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
     for name in POLICIES:
         s = summary[name]
-        print(f"  {name:20s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
+        print(f"  {name:30s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
     s = summary["pymemplan-planned steady"]
     if steady:
         print(f"  pymemplan-planned, steady state: median {s['median']:.4f}, within 1% on "
