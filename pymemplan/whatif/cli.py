@@ -42,7 +42,9 @@ def add_parser(sub) -> None:
                    help="device whose memory is predicted (default cuda)")
     p.add_argument("--policy", default="torch",
                    help="allocator whose reserved memory decides the fit on CUDA: torch "
-                        "(PyTorch's), pymemplan or pymemplan-vmm (default torch)")
+                        "(PyTorch's), torch=expandable_segments:True (PyTorch's with "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), pymemplan or "
+                        "pymemplan-vmm (default torch)")
     p.add_argument("--techniques", default=",".join(TECHNIQUES),
                    help=f"comma-separated subset of {','.join(TECHNIQUES)}")
     p.add_argument("--no-probe", action="store_true",
