@@ -33,7 +33,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 RESULT = HERE / "results" / "reserved_accuracy.json"
-POLICIES = ("torch", "pymemplan", "pymemplan-vmm")
+POLICIES = ("torch", "torch=expandable_segments:True", "pymemplan", "pymemplan-vmm")
+SHORT = {"torch=expandable_segments:True": "torch expandable"}  # column names
 
 
 def step_module(model, step):
@@ -152,7 +153,8 @@ def main() -> int:
     print(f"wrote {RESULT}")
     if args.markdown:
         mib = 1 << 20
-        print("\n| workload | " + " | ".join(f"`{p}` recorded | predicted | error" for p in POLICIES)
+        print("\n| workload | " + " | ".join(f"`{SHORT.get(p, p)}` recorded | predicted | error"
+                                         for p in POLICIES)
               + " |")
         print("|---|" + "---|---|---|" * len(POLICIES))
         for r in rows:
