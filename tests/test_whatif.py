@@ -126,6 +126,39 @@ def test_best_is_the_cheapest_row_that_fits(tight):
     assert c.accumulation == 1 or f"% {c.accumulation} == 0" in code
 
 
+def test_allocator_rows_replay_the_same_step_through_other_allocators():
+    # 272 MiB live; PyTorch's allocator reserves 322 MiB, expandable segments and
+    # pymemplan-vmm 282 MiB: at 300 MiB only another allocator makes the step fit, at no
+    # cost in compute, and that is the best row.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1536, 1536), nn.GELU())])
+    x = torch.randn(384, 1536)
+
+    def advise(**kw):
+        return pymemplan.advise(model, (x,), capacity="300MiB", loss_fn=lambda o: o.sum(), **kw)
+
+    a = advise(techniques=["allocator"])
+    base, rows = a.baseline, a.rows_for("allocator")
+    assert not base.fits
+    assert [r.config.allocator for r in rows] == ["torch=expandable_segments:True",
+                                                  "pymemplan-vmm"]
+    cap = max(4 * base.peak_bytes, 1 << 30)
+    for r in rows:
+        assert r.trace is base.trace and r.peak_bytes == base.peak_bytes  # not traced again
+        assert r.reserved_bytes == base.trace.reserved_peak(r.config.allocator, capacity=cap)
+        assert r.reserved_bytes < base.reserved_bytes and r.fits and r.relative_compute == 1.0
+    assert a.best.config.allocator == "torch=expandable_segments:True"
+    assert 'os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"' in a.best.code
+    # With the batch rows, each allocator's largest batch; the policy given is no row.
+    a = advise(techniques=["allocator", "batch"], policy="pymemplan-vmm")
+    (row,) = a.rows_for("allocator")
+    assert row.config.allocator == "torch=expandable_segments:True"
+    assert row.extra["largest_batch"] >= 1 and "with pymemplan-vmm" in row.notes
+    # On the CPU the fit is on live bytes: no allocator rows.
+    assert advise(techniques=["allocator"], device="cpu", probe_kernels=False).rows_for(
+        "allocator") == []
+
+
 def test_predictions_match_real_cpu_steps(net, tight):
     _, full = tight
     # With the probe, as CPU predictions are made by default: oneDNN's bf16 scratch counts.

@@ -27,8 +27,22 @@ from typing import Any, Callable
 from ..planner.errors import PlannerError
 from ..units import format_bytes, parse_bytes
 
-TECHNIQUES = ("precision", "batch", "accumulation", "checkpoint", "optimizer", "weights",
-              "sharding")
+TECHNIQUES = ("precision", "batch", "accumulation", "checkpoint", "allocator", "optimizer",
+              "weights", "sharding")
+
+# Allocators the "allocator" rows replay the step through (CUDA): policy -> (label, code).
+_ALLOCATORS = {
+    "torch=expandable_segments:True": (
+        "PyTorch's expandable segments",
+        "# before the first CUDA allocation (or in the shell:\n"
+        "# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python train.py)\n"
+        "import os\n"
+        "os.environ[\"PYTORCH_CUDA_ALLOC_CONF\"] = \"expandable_segments:True\""),
+    "pymemplan-vmm": (
+        "pymemplan-vmm",
+        "import pymemplan\n"
+        "pymemplan.enable(\"pymemplan-vmm\")  # before the first CUDA allocation"),
+}
 
 # Optimizers compared by the "optimizer" rows: name -> (factory, code).
 _OPTIMIZER_CODE = {
@@ -72,6 +86,8 @@ class Config:
     checkpoint: tuple = ()                # ((module, policy), ...) from a checkpoint plan
     weights: str | None = None            # None, "int8", "nf4", "prune-0.3", ...
     sharding: str | None = None           # None, "ddp", "zero1", "zero2", "zero3", "fsdp"
+    # Another allocator (a replay policy): changes the reserved memory, not the step.
+    allocator: str | None = None
 
     def changes(self, base: "Config") -> list[str]:
         out = []
@@ -89,6 +105,8 @@ class Config:
             out.append(f"weights {self.weights}")
         if self.sharding:
             out.append(self.sharding)
+        if self.allocator:
+            out.append(_ALLOCATORS.get(self.allocator, (self.allocator,))[0])
         return out
 
 
@@ -115,7 +133,7 @@ class Row:
                 "config": {"batch": c.batch, "autocast": c.autocast, "optimizer": c.optimizer,
                            "accumulation": c.accumulation,
                            "checkpoint": dict(c.checkpoint), "weights": c.weights,
-                           "sharding": c.sharding},
+                           "sharding": c.sharding, "allocator": c.allocator},
                 "peak_bytes": self.peak_bytes, "reserved_bytes": self.reserved_bytes,
                 "fits": self.fits, "relative_compute": self.relative_compute,
                 "code": self.code, "notes": self.notes, "breakdown": self.breakdown,
@@ -313,6 +331,8 @@ class _Advisor:
 
     def trace(self, cfg: Config):
         """The traced step of ``cfg`` (cached)."""
+        if cfg.allocator is not None:  # the same step: only what is reserved differs
+            return self.trace(replace(cfg, allocator=None))
         if cfg in self._traces:
             return self._traces[cfg]
         import torch
@@ -362,7 +382,7 @@ class _Advisor:
             reserved = None
             if self.device == "cuda":
                 cap = max(4 * peak, 1 << 30)
-                reserved = t.reserved_peak(self.policy, capacity=cap)
+                reserved = t.reserved_peak(cfg.allocator or self.policy, capacity=cap)
             self._measured[cfg] = (peak, reserved, (reserved if reserved is not None
                                                     else peak) <= self.capacity)
         return self._measured[cfg]
@@ -566,6 +586,8 @@ def _code_checkpoint(capacity: int, cfg: Config) -> str:
 def combined_code(cfg: Config, base: Config, capacity: int, world_size: int, model=None,
                   device: str = "cuda") -> str:
     parts = []
+    if cfg.allocator:
+        parts.append(_ALLOCATORS[cfg.allocator][1])
     if cfg.sharding:
         from .sharding import code_snippet
 
@@ -700,7 +722,7 @@ def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
     if rows[0].fits:
         return replace(rows[0], technique="best", name="as it is: it fits")
     same = [r.config for r in rows if r.fits and r.technique in
-            ("precision", "accumulation", "checkpoint", "sharding")]
+            ("precision", "accumulation", "checkpoint", "allocator", "sharding")]
     if not same and "checkpoint" in chosen and "accumulation" in chosen and adv.batch0:
         # Micro-batches and checkpointing together: plan the micro-step that keeps the
         # batch largest.

@@ -11,8 +11,8 @@ from dataclasses import replace
 from ..planner.graph import ACTIVATION, CATEGORIES, GRADIENT, OPTIMIZER_STATE
 from ..planner.errors import PlannerError
 from ..units import format_bytes
-from .advise import (_OPTIMIZER_CODE, Config, _accumulation_config, _Advisor, _code_autocast,
-                     _optimizer_factory, checkpoint_key, combined_code)
+from .advise import (_ALLOCATORS, _OPTIMIZER_CODE, Config, _accumulation_config, _Advisor,
+                     _code_autocast, _optimizer_factory, checkpoint_key, combined_code)
 
 
 def _diff(a: dict, b: dict) -> str:
@@ -136,6 +136,29 @@ def checkpoint(adv: _Advisor, target_batch) -> list:
     return rows
 
 
+def allocator(adv: _Advisor, target_batch) -> list:
+    """The same step under another allocator (CUDA: the fit is on reserved memory). Only
+    the memory reserved beyond the live bytes changes, and with it the largest batch."""
+    if adv.device != "cuda":
+        return []
+    peak0, reserved0, _ = adv.measure(adv.base)
+    largest0 = adv.largest_batch(adv.base) if "batch" in adv.chosen else None
+    rows = []
+    for policy, (label, code) in _ALLOCATORS.items():
+        if policy == adv.policy:
+            continue
+        cfg = replace(adv.base, allocator=policy)
+        peak, reserved, _ = adv.measure(cfg)
+        notes = (f"reserved beyond the live peak: {format_bytes(reserved0 - peak0)} with "
+                 f"{adv.policy} -> {format_bytes(reserved - peak)}")
+        extra = {}
+        if largest0 is not None:
+            extra["largest_batch"] = adv.largest_batch(cfg)
+            notes += f"; largest batch {extra['largest_batch']} ({largest0} with {adv.policy})"
+        rows.append(adv.row("allocator", label, cfg, code, notes, **extra))
+    return rows
+
+
 def optimizer(adv: _Advisor, target_batch) -> list:
     rows = []
     for name in ("sgd-momentum", "adam", "adamw", "adafactor", "adamw-8bit"):
@@ -196,7 +219,7 @@ def sharding(adv: _Advisor, target_batch) -> list:
 
 
 ALL = {"precision": precision, "batch": batch, "accumulation": accumulation,
-       "checkpoint": checkpoint, "optimizer": optimizer, "weights": weights,
-       "sharding": sharding}
+       "checkpoint": checkpoint, "allocator": allocator, "optimizer": optimizer,
+       "weights": weights, "sharding": sharding}
 
 __all__ = ["ALL", "Config"]
