@@ -459,13 +459,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
     }
     if (!backed) {
       insert_free(b);
-      ++stats_.num_ooms;
-      *oom = oom_message(size, rounded, stream,
-                         limit_ != 0 && reserved_ + static_cast<std::int64_t>(rounded) >
-                                            static_cast<std::int64_t>(limit_)
-                             ? "the pages it needs would exceed the memory limit"
-                             : "the device has no free pages for it");
-      return nullptr;
+      return refuse(size, rounded, stream, rounded, true, oom);
     }
     return take(b, rounded, size, stream);
   }
@@ -481,13 +475,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
       b = expand(pool, rounded, stream);
     }
     if (b == nullptr) {
-      ++stats_.num_ooms;
-      const bool over_limit = limit_ != 0 && reserved_ + static_cast<std::int64_t>(rounded) >
-                                                 static_cast<std::int64_t>(limit_);
-      *oom = oom_message(size, rounded, stream,
-                         over_limit ? "the pages it needs would exceed the memory limit"
-                                    : "the device has no free pages for it");
-      return nullptr;
+      return refuse(size, rounded, stream, rounded, true, oom);
     }
     return take(b, rounded, size, stream);
   }
@@ -517,16 +505,23 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
       if (b == nullptr) b = new_segment(pool, seg, stream);
     }
     if (b == nullptr) {
-      ++stats_.num_ooms;
-      const bool over_limit = limit_ != 0 && reserved_ + static_cast<std::int64_t>(seg) >
-                                                 static_cast<std::int64_t>(limit_);
-      *oom = oom_message(size, rounded, stream,
-                         over_limit ? "a new segment would exceed the memory limit"
-                                    : "the device has no free memory for a new segment");
-      return nullptr;
+      return refuse(size, rounded, stream, seg, false, oom);
     }
   }
   return take(b, rounded, size, stream);
+}
+
+Block* CachingAllocator::refuse(std::size_t size, std::size_t rounded, StreamId stream,
+                               std::size_t growth, bool pages, std::string* oom) {
+  ++stats_.num_ooms;
+  const bool over_limit = limit_ != 0 && reserved_ + static_cast<std::int64_t>(growth) >
+                                             static_cast<std::int64_t>(limit_);
+  const char* reason = pages ? (over_limit ? "the pages it needs would exceed the memory limit"
+                                           : "the device has no free pages for it")
+                             : (over_limit ? "a new segment would exceed the memory limit"
+                                           : "the device has no free memory for a new segment");
+  *oom = oom_message(size, rounded, stream, reason);
+  return nullptr;
 }
 
 Block* CachingAllocator::best_fit(Pool& pool, std::size_t rounded, StreamId key) {

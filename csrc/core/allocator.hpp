@@ -167,6 +167,10 @@ class CachingAllocator : public Allocator {
   };
 
   Block* allocate_locked(std::size_t size, StreamId stream, std::string* oom_message);
+  // Counts an OOM and says why in *oom: the memory limit, or the device, refused `growth`
+  // more bytes (of pages, or of a new segment). Returns nullptr.
+  Block* refuse(std::size_t size, std::size_t rounded, StreamId stream, std::size_t growth,
+                bool pages, std::string* oom);
   // With vmm every request shares the virtual segments: pages under free space go back to
   // the device, so small blocks cannot strand memory the way they do in shared segments.
   Pool& pool_for(std::size_t rounded) {
