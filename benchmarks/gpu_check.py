@@ -5,8 +5,14 @@
 Trains resnet50 and GPT-2 small (random init) for 20 steps each with PyTorch's native
 allocator, native with expandable_segments:True, pymemplan, pymemplan-vmm and
 pymemplan-planned, each in its own process. It reports the peak reserved and peak allocated bytes (from each allocator's own
-stats), the median step time, and the ratios to native. Writes
-benchmarks/results/gpu_check.json. Sized to finish in under 8 minutes on one H100/H200.
+stats), the median step time, and the ratios to native. Beside the native runs it puts
+the planner's predictions for the same step, made without the GPU: the peak of live bytes
+(``pymemplan.trace(..., device="cuda").peak_bytes``) against the peak allocated, and the
+reserved peak (``reserved_peak("torch")``, ``reserved_peak("torch=expandable_segments:True")``)
+against the peak reserved. Writes benchmarks/results/gpu_check.json. Sized to finish in under
+8 minutes on one H100/H200.
+
+    python benchmarks/gpu_check.py --predict-only   # the predictions alone; no GPU needed
 """
 
 from __future__ import annotations
@@ -72,9 +78,61 @@ WORKER = textwrap.dedent("""
 """)
 
 
+# The worker's step, on the meta device, for the planner: (model, inputs, loss_fn).
+def _step_on_meta(model_name):
+    import torch
+    import torch.nn.functional as F
+
+    with torch.device("meta"):
+        if model_name == "resnet50":
+            import torchvision
+
+            model = torchvision.models.resnet50()
+            y = torch.zeros(64, dtype=torch.long)
+
+            def loss_fn(out):
+                return F.cross_entropy(out, y.to(out.device))
+            return model, (torch.empty(64, 3, 224, 224),), loss_fn
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config())
+
+    class WithLabels(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, labels=ids).loss
+
+    return WithLabels(), (torch.zeros(8, 1024, dtype=torch.long, device="meta"),), None
+
+
+# Native modes whose reserved peak the planner predicts, and the policy that models each.
+PREDICTED_POLICY = {"native": "torch", "native_expandable": "torch=expandable_segments:True"}
+
+
+def predictions(model_name) -> dict:
+    """The planner's figures for the worker's step (Adam), made on the CPU."""
+    import torch
+
+    import pymemplan
+
+    model, inputs, loss_fn = _step_on_meta(model_name)
+    t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.Adam,
+                        device="cuda")
+    return {"peak_allocated_bytes": t.peak_bytes,
+            **{mode: t.reserved_peak(policy) for mode, policy in PREDICTED_POLICY.items()}}
+
+
 def main() -> int:
     import torch
 
+    if "--predict-only" in sys.argv:
+        for model in ("resnet50", "gpt2"):
+            p = predictions(model)
+            print(f"{model:9s} " + "  ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in p.items()))
+        return 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
@@ -82,6 +140,7 @@ def main() -> int:
                             str(HERE.parent / "tests")], timeout=300)
     rows = []
     for model in ("resnet50", "gpt2"):
+        predicted = predictions(model)
         for mode, env in MODES.items():
             r = subprocess.run([sys.executable, "-c", WORKER, model, "20"], capture_output=True,
                                text=True, timeout=240, env={**os.environ, **env})
@@ -90,6 +149,11 @@ def main() -> int:
                 print(f"{model:9s} {mode:18s} FAILED\n{r.stderr[-2000:]}", flush=True)
                 continue
             row = {"model": model, "mode": mode, **json.loads(r.stdout.strip().splitlines()[-1])}
+            if mode in PREDICTED_POLICY:
+                row["predicted_peak_allocated_bytes"] = predicted["peak_allocated_bytes"]
+                row["predicted_peak_reserved_bytes"] = predicted[mode]
+                row["reserved_prediction_error"] = (predicted[mode] / row["peak_reserved_bytes"]
+                                                    - 1)
             rows.append(row)
             print(f"{model:9s} {mode:18s} reserved {row['peak_reserved_bytes'] / 2**30:7.2f} GiB  "
                   f"allocated {row['peak_allocated_bytes'] / 2**30:7.2f} GiB  "
