@@ -282,9 +282,10 @@ fake.fakecuda_live_reservations.restype = ctypes.c_int
 """
 
 
-def run_vmm(body: str, config: str = "oom_action:null", **env):
+def run_vmm(body: str, config: str = "oom_action:null", policy: str = "pymemplan-vmm", **env):
     code = PRELUDE + VMM_PRELUDE + (
-        f"assert lib.pymemplan_configure(b'pymemplan-vmm', {config.encode()!r}) == 0, err()\n")
+        f"assert lib.pymemplan_configure({policy.encode()!r}, {config.encode()!r}) == 0, "
+        "err()\n")
     code += textwrap.dedent(body)
     environ = {**os.environ, "PYMEMPLAN_LIBCUDA": str(FAKE), "FAKECUDA_CAPACITY": str(64 * MiB),
                **{k: str(v) for k, v in env.items()}}
@@ -399,6 +400,37 @@ def test_vmm_failing_page_creation_midway_leaves_nothing_mapped():
         assert q, err()
         ctypes.memset(q, 5, 32 * MiB)
     """)
+    assert "cuMemCreate failed: CUDA_ERROR_INVALID_VALUE" in out
+
+
+def test_torch_expandable_segments_run_over_the_driver():
+    # The model of PyTorch's expandable segments through the real driver path: one address
+    # range (80 MiB for this 64 MiB device) mapped 20 MiB at a time, in place.
+    out = run_vmm("""
+        p = alloc(30 * MiB)
+        assert p, err()
+        ctypes.memset(p, 3, 30 * MiB)
+        assert fake.fakecuda_bytes_in_use(0) == 40 * MiB == stats()["reserved_bytes.all.current"]
+        free(p)
+        q = alloc(50 * MiB)                 # the freed block grows: 20 MiB more, same address
+        assert q == p, err()
+        ctypes.memset(q, 4, 50 * MiB)
+        assert fake.fakecuda_bytes_in_use(0) == 60 * MiB
+        assert alloc(20 * MiB) is None      # 10 MiB free after q, 4 MiB left on the device
+        assert "out of memory" in err()
+        free(q)
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_bytes_in_use(0) == 0 and fake.fakecuda_live_mappings() == 0
+        fake.fakecuda_fail_alloc_error(1)   # CUDA_ERROR_INVALID_VALUE on the third page
+        fake.fakecuda_fail_create_at(3)
+        assert alloc(30 * MiB) is None
+        print(err())
+        assert fake.fakecuda_live_handles(0) == 0 and fake.fakecuda_live_mappings() == 0
+        assert stats()["reserved_bytes.all.current"] == 0
+        r = alloc(30 * MiB)                 # and it still works
+        assert r == p, err()
+        ctypes.memset(r, 5, 30 * MiB)
+    """, policy="torch", config="oom_action:null,expandable_segments:True")
     assert "cuMemCreate failed: CUDA_ERROR_INVALID_VALUE" in out
 
 
