@@ -354,6 +354,7 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
       s.is_virtual = true;
       s.page_size = device_->granularity();
       s.chunk_size = seg->chunk != 0 ? seg->chunk : s.page_size;
+      s.torch_expandable = seg->chunk != 0;
       std::size_t aliased = 0;
       for (std::size_t i = 0; i < seg->pages.size(); ++i) {
         s.page_mapped.push_back(seg->pages[i] != 0);
@@ -732,7 +733,9 @@ void CachingAllocator::insert_free(Block* b) {
   if (b->is_whole_segment()) {
     // Arenas go back only when retired, expandable segments never (their pages do).
     if (!reserved && !b->unmapped) unused_segments_.insert(b);
-  } else {
+  } else if (b->segment->chunk == 0) {
+    // torch: free_block(): expandable segments are left out of inactive_split (their free
+    // chunks can always be unmapped).
     update_stat(&Stats::inactive_split, pool.small, 1);
     update_stat(&Stats::inactive_split_bytes, pool.small, static_cast<std::int64_t>(b->size));
   }
@@ -751,7 +754,7 @@ void CachingAllocator::erase_free(Block* b) {
   b->listed = false;
   if (b->is_whole_segment()) {
     if (!reserved && !b->unmapped) unused_segments_.erase(b);
-  } else {
+  } else if (b->segment->chunk == 0) {
     update_stat(&Stats::inactive_split, pool.small, -1);
     update_stat(&Stats::inactive_split_bytes, pool.small, -static_cast<std::int64_t>(b->size));
   }

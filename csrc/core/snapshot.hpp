@@ -31,6 +31,8 @@ struct SegmentInfo {
   std::size_t page_size = 0;
   // What one driver call maps: page_size, or a chunk of an expandable segment (torch).
   std::size_t chunk_size = 0;
+  // An expandable segment of the torch model: left out of inactive_split, as in torch.
+  bool torch_expandable = false;
   std::size_t mapped_size = 0;
   std::vector<bool> page_mapped;
   // Mapped pages whose physical page another address holds (share_pages): not counted in

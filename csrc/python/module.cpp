@@ -57,6 +57,7 @@ py::dict snapshot_dict(const std::vector<SegmentInfo>& segments, StreamId) {
       sd["mapped_size"] = s.mapped_size;
       sd["page_size"] = s.page_size;
       sd["chunk_size"] = s.chunk_size;
+      sd["torch_expandable"] = s.torch_expandable;
       sd["page_mapped"] = s.page_mapped;
       sd["page_aliased"] = s.page_aliased;
     }

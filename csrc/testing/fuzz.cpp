@@ -390,7 +390,7 @@ class Fuzzer {
           ++matched;
         }
         if (b.state != "inactive") active += static_cast<std::int64_t>(b.size);
-        if (b.state == "inactive" && seg.blocks.size() > 1) {
+        if (b.state == "inactive" && seg.blocks.size() > 1 && !seg.torch_expandable) {
           inactive_split += static_cast<std::int64_t>(b.size);
         }
       }
