@@ -234,6 +234,38 @@ def test_cli_json_and_self_contained_html(tmp_path, capsys):
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_torch_policy_follows_pytorch_cuda_alloc_conf():
+    from pymemplan.whatif.advise import torch_policy_from_conf as policy
+
+    assert policy(None) == policy("") == ("torch", [])
+    assert policy("expandable_segments:True,garbage_collection_threshold:0.6") == (
+        "torch=expandable_segments:True", ["garbage_collection_threshold:0.6"])
+    # A list of divisions (commas inside brackets) is left out, whole; other keys stay.
+    assert policy("max_split_size_mb:256,roundup_power2_divisions:[256:1,>:8]") == (
+        "torch=max_split_size_mb:256", ["roundup_power2_divisions:[256:1,>:8]"])
+    assert policy("backend:cudaMallocAsync") == ("torch", ["backend:cudaMallocAsync"])
+    with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:yes'.*"
+                                         "True or False"):
+        policy("expandable_segments:yes")
+
+
+def test_cli_reserved_memory_is_pytorchs_as_its_environment_sets_it(capsys, monkeypatch):
+    from pymemplan.cli import main
+
+    args = ["plan", "mlp", "--batch", "64", "--capacity", "2GiB", "--techniques", "precision",
+            "--json"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,release_lock:1")
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["allocator_policy"] == "torch=expandable_segments:True"
+    assert "not modelled: release_lock:1" in err
+    assert main(args + ["--policy", "pymemplan-vmm"]) == 0  # an explicit --policy wins
+    assert json.loads(capsys.readouterr().out)["allocator_policy"] == "pymemplan-vmm"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:4")
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("pymemplan plan: PYTORCH_CUDA_ALLOC_CONF=")
+
+
 def test_cli_errors_are_one_line(capsys):
     from pymemplan.cli import main
 

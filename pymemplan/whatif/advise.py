@@ -74,6 +74,40 @@ def _optimizer_factory(name: str):
     raise AssertionError(name)
 
 
+# PYTORCH_CUDA_ALLOC_CONF keys the torch model follows; others are reported as left out.
+_MODELLED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
+                  "expandable_segments")
+
+
+def torch_policy_from_conf(conf: str | None) -> tuple[str, list[str]]:
+    """The replay policy for PyTorch's allocator as ``PYTORCH_CUDA_ALLOC_CONF=conf`` sets it
+    ("torch" or "torch=key:value,..."), and the settings the model leaves out (e.g.
+    ``garbage_collection_threshold``, or ``backend:cudaMallocAsync``, another allocator).
+    Raises ValueError for a value the model rejects, naming the variable."""
+    from ..traces.replay import parse_policy
+
+    kept, left, depth, item = [], [], 0, ""
+    for ch in (conf or "") + ",":
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            key, _, value = item.strip().partition(":")
+            if key.strip():
+                if key.strip() in _MODELLED_KEYS and not value.strip().startswith("["):
+                    kept.append(f"{key.strip()}:{value.strip()}")
+                else:
+                    left.append(item.strip())
+            item = ""
+        else:
+            item += ch
+    policy = "torch=" + ",".join(kept) if kept else "torch"
+    try:
+        parse_policy(policy)
+    except Exception as e:  # _core.AllocatorError: the bad key or value, and the valid ones
+        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: {e}") from None
+    return policy, left
+
+
 @dataclass(frozen=True)
 class Config:
     """One configuration of the step. ``batch`` is the micro-batch when ``accumulation``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..units import format_bytes
@@ -40,11 +41,11 @@ def add_parser(sub) -> None:
                    help="the optimizer the step uses (default adamw)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="device whose memory is predicted (default cuda)")
-    p.add_argument("--policy", default="torch",
+    p.add_argument("--policy", default=None,
                    help="allocator whose reserved memory decides the fit on CUDA: torch "
                         "(PyTorch's), torch=expandable_segments:True (PyTorch's with "
                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), pymemplan or "
-                        "pymemplan-vmm (default torch)")
+                        "pymemplan-vmm (default: PyTorch's, as PYTORCH_CUDA_ALLOC_CONF sets it)")
     p.add_argument("--techniques", default=",".join(TECHNIQUES),
                    help=f"comma-separated subset of {','.join(TECHNIQUES)}")
     p.add_argument("--no-probe", action="store_true",
@@ -99,6 +100,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"pymemplan plan: --{flag.replace('_', '-')} must be positive, got {v}",
                   file=sys.stderr)
             return 2
+    policy = args.policy
+    if policy is None:
+        from .advise import torch_policy_from_conf
+
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        try:
+            policy, left = torch_policy_from_conf(conf)
+        except ValueError as e:
+            print(f"pymemplan plan: {e}", file=sys.stderr)
+            return 2
+        if conf and args.device == "cuda":
+            err.print(f"reserved memory: PyTorch's allocator as PYTORCH_CUDA_ALLOC_CONF sets it "
+                      f"({policy})" + (f"; not modelled: {', '.join(left)}" if left else ""))
     model = args.model or DEFAULT_MODEL
     batch = args.batch if args.batch is not None or args.model else DEFAULT_BATCH
     techniques = [x.strip() for x in args.techniques.split(",") if x.strip()]
@@ -129,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             a = advise(w.model, w.inputs, loss_fn=w.loss_fn, capacity=args.capacity,
                        make_inputs=make_inputs, make_loss_fn=make_loss_fn,
                        optimizer=_optimizer(args.optimizer), target_batch=args.target_batch,
-                       world_size=args.world_size, device=args.device, policy=args.policy,
+                       world_size=args.world_size, device=args.device, policy=policy,
                        techniques=techniques, progress=lambda what: status.update(what + " ..."),
                        **({"probe_kernels": False} if args.no_probe else {}))
     except (PlannerError, ValueError, OSError) as e:
