@@ -265,8 +265,11 @@ class MemoryTrace:
         the predicted allocation trace, with the step repeated ``iterations`` times (the
         state left by one step shapes the next), replayed through the allocator model.
 
-        ``policy``: "torch" (PyTorch's native caching allocator), "pymemplan",
-        "pymemplan-vmm", "nocache", or "name=key:value,..." as for ``pymemplan replay``.
+        ``policy``: "torch" (PyTorch's native caching allocator),
+        "torch=expandable_segments:True" (with PYTORCH_CUDA_ALLOC_CONF's expandable
+        segments), "pymemplan", "pymemplan-vmm", "nocache", or "name=key:value,..." as for
+        ``pymemplan replay``. The run's first step makes the optimizer's state where its
+        first ``step()`` makes it (``graph.first_optimizer_step``).
         This is the number that decides whether a run hits OOM; compare it with
         ``peak_bytes``, the live tensor bytes no allocator can go below.
         """
