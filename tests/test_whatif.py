@@ -259,6 +259,9 @@ def test_cli_reserved_memory_is_pytorchs_as_its_environment_sets_it(capsys, monk
     out, err = capsys.readouterr()
     assert json.loads(out)["allocator_policy"] == "torch=expandable_segments:True"
     assert "not modelled: release_lock:1" in err
+    assert main(args[:-1]) == 0  # the table says whose reserved memory decides the fit
+    assert "memory PyTorch's allocator (expandable_segments:True) would reserve" in " ".join(
+        capsys.readouterr().out.split())
     assert main(args + ["--policy", "pymemplan-vmm"]) == 0  # an explicit --policy wins
     assert json.loads(capsys.readouterr().out)["allocator_policy"] == "pymemplan-vmm"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:4")

@@ -648,7 +648,7 @@ def combined_code(cfg: Config, base: Config, capacity: int, world_size: int, mod
 # -----------------------------------------------------------------------------------------
 
 def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int | None = None,
-           world_size: int = 1, device: str = "cuda", loss_fn=None, policy: str = "torch",
+           world_size: int = 1, device: str = "cuda", loss_fn=None, policy: str | None = None,
            techniques=None, make_inputs: Callable | None = None,
            make_loss_fn: Callable | None = None,
            progress: Callable | None = None, **trace_kwargs) -> Advice:
@@ -656,8 +656,10 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
 
     - ``capacity``: the GPU's memory ("80GiB", "24GB" or bytes). On CUDA a configuration
       fits when the memory the allocator would *reserve* (``policy``: "torch" for
-      PyTorch's native allocator, or one of pymemplan's) is at most the capacity; on CPU,
-      when its peak of live bytes is.
+      PyTorch's native allocator, "torch=expandable_segments:True", or one of
+      pymemplan's; by default PyTorch's as ``PYTORCH_CUDA_ALLOC_CONF`` sets it, see
+      :func:`torch_policy_from_conf`) is at most the capacity; on CPU, when its peak of
+      live bytes is.
     - ``optimizer``: as for :func:`pymemplan.trace` (default ``torch.optim.AdamW``).
     - ``target_batch``: the effective batch to reach by gradient accumulation (default:
       the batch of ``inputs``).
@@ -696,6 +698,13 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
         optimizer = torch.optim.AdamW
     if device == "cpu":
         policy = None
+    elif policy is None:
+        import os
+
+        try:
+            policy, _ = torch_policy_from_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        except ValueError as e:
+            raise PlannerError(str(e)) from None
     adv = _Advisor(model, inputs, capacity=cap, optimizer=optimizer, loss_fn=loss_fn,
                    device=device, policy=policy, make_inputs=make_inputs,
                    world_size=world_size, trace_kwargs=trace_kwargs, progress=progress,

@@ -22,8 +22,15 @@ def _cells(a, r) -> list[str]:
             r.notes]
 
 
+def _allocator_words(policy: str | None) -> str:
+    name, _, config = (policy or "torch").partition("=")
+    if name != "torch":
+        return f"the {name} allocator"
+    return "PyTorch's allocator" + (f" ({config})" if config else "")
+
+
 def _title(a) -> str:
-    fit_on = ("memory PyTorch's allocator would reserve" if a.fit_metric == "reserved"
+    fit_on = (f"memory {_allocator_words(a.policy)} would reserve" if a.fit_metric == "reserved"
               else "peak of live bytes")
     return (f"What fits {format_bytes(a.capacity_bytes)} on {a.device}: {a.model}, batch "
             f"{a.batch} (fits = {fit_on}; compute per sample relative to the step as it is)")
