@@ -395,6 +395,12 @@ def test_the_first_optimizer_step_is_recorded_as_the_optimizer_runs_it():
                                                             foreach=False))
     assert [t.tensors[i].name for i in _first_step_state(t)] == [
         f"{p}.momentum_buffer" for p in params]
+    # Adagrad makes its sums when it is built: they exist before the run, not from its
+    # first step.
+    t = pymemplan.trace(model, (x,), loss_fn=ce_loss, device="cpu", probe_kernels=False,
+                        optimizer=torch.optim.Adagrad)
+    assert _first_step_state(t) == []
+    assert any(x.name.endswith(".sum") for x in t.tensors if x.category == "optimizer_state")
     # Without momentum SGD has no state: the first step is like any other.
     t = pymemplan.trace(model, (x,), loss_fn=ce_loss, optimizer=torch.optim.SGD)
     assert _first_step_state(t) == []

@@ -385,6 +385,9 @@ def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode) -> "_Recorder"
         rec.register(p, PARAMETER)
         p.grad = torch.zeros_like(p)
         rec.register(p.grad, GRADIENT)
+    # State some optimizers make when they are built (Adagrad's sums): not the first step's.
+    rec.state_before = {_storage_key(v) for st in opt.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor)}
     try:
         with _dispatch_mode(rec):
             opt.step()
@@ -405,7 +408,7 @@ def _first_step_events(first: "_Recorder", rec: "_Recorder", opt, profile: Devic
     state_of: dict[int, int] = {}  # local id -> tensor id in the traced step (-2: host)
     for st in opt.state.values():
         for k, v in st.items():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and _storage_key(v) not in first.state_before:
                 local = first.live.get(_storage_key(v))
                 if local is not None:
                     on_device = state_on_device(opt, k, v, profile)
