@@ -159,6 +159,24 @@ def test_allocator_rows_replay_the_same_step_through_other_allocators():
         "allocator") == []
 
 
+def test_best_combines_another_allocator_with_the_cheapest_row_it_makes_fit():
+    # SGD, activations dominate: 308 MiB live (fp32), 216 MiB under bf16 autocast. At
+    # 240 MiB no row fits alone: bf16 reserves 254 MiB under PyTorch's allocator, the
+    # step as it is more than 300 MiB under any. bf16 with expandable segments (222 MiB)
+    # fits, and is the best.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.GELU())])
+    a = pymemplan.advise(model, (torch.randn(4096, 1024),), capacity="240MiB",
+                         loss_fn=lambda o: o.float().sum(), optimizer=torch.optim.SGD,
+                         techniques=["precision", "allocator"])
+    assert not any(r.fits for r in a if r.technique != "best")
+    best = a.best
+    assert best.config.autocast == "bf16" and best.config.allocator == (
+        "torch=expandable_segments:True")
+    assert best.fits and best.reserved_bytes <= 240 << 20 and best.relative_compute < 1
+    assert "expandable_segments:True" in best.code and "torch.autocast" in best.code
+
+
 def test_predictions_match_real_cpu_steps(net, tight):
     _, full = tight
     # With the probe, as CPU predictions are made by default: oneDNN's bf16 scratch counts.

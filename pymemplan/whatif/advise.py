@@ -759,13 +759,23 @@ def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
     The unchanged step wins when it fits: changing nothing is free. Otherwise the
     candidates are the rows that keep the training the same (precision, accumulation to
     the same effective batch, checkpointing, sharding) and their combinations with
-    checkpointing; rows that change the training itself (another optimizer, frozen or
-    pruned weights) or its batch are the last resort."""
+    checkpointing, and with another allocator (CUDA: it costs no compute, and may be what
+    makes a cheaper configuration fit); rows that change the training itself (another
+    optimizer, frozen or pruned weights) or its batch are the last resort."""
     base = adv.base
     if rows[0].fits:
         return replace(rows[0], technique="best", name="as it is: it fits")
-    same = [r.config for r in rows if r.fits and r.technique in
-            ("precision", "accumulation", "checkpoint", "allocator", "sharding")]
+    keeps_training = ("precision", "accumulation", "checkpoint", "allocator", "sharding")
+    same = [r.config for r in rows if r.fits and r.technique in keeps_training]
+    if "allocator" in chosen and adv.device == "cuda":
+        for r in rows:
+            if r.fits or r.technique not in keeps_training or r.config.allocator is not None:
+                continue
+            for policy in _ALLOCATORS:  # PyTorch's own setting first
+                cfg = replace(r.config, allocator=policy)
+                if policy != adv.policy and adv.fits(cfg):
+                    same.append(cfg)
+                    break
     if not same and "checkpoint" in chosen and "accumulation" in chosen and adv.batch0:
         # Micro-batches and checkpointing together: plan the micro-step that keeps the
         # batch largest.
