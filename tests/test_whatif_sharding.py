@@ -124,6 +124,19 @@ def test_per_rank_peak_falls_with_each_zero_stage(traces):
     assert traces("zero3", world_size=4).peak_bytes < traces("zero3").peak_bytes
 
 
+def test_ddp_and_zero1_record_where_the_first_step_makes_the_optimizer_state(traces):
+    # Adam makes its state in the first step on each rank: all of it under DDP, the rank's
+    # partition under ZeRO-1. FSDP's strategies make it before the run (not recorded yet).
+    for strategy in ("ddp", "zero1"):
+        t = traces(strategy)
+        made = [e[1] for e in t.graph.first_optimizer_step["events"] if e[0] == 0 and e[1] >= 0]
+        state = {x.id for x in t.tensors if x.category == "optimizer_state"}
+        assert made and set(made) <= state
+        assert {x.id for x in t.tensors if x.category == "optimizer_state"
+                and x.name.endswith((".exp_avg", ".exp_avg_sq"))} <= set(made)
+    assert all(traces(s).graph.first_optimizer_step is None for s in ("zero2", "zero3", "fsdp"))
+
+
 def test_communication_bytes_from_the_trace_match_the_formula(traces, workload):
     model = workload[0]
     for strategy in S.STRATEGIES:

@@ -399,20 +399,24 @@ def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode) -> "_Recorder"
 
 
 def _first_step_events(first: "_Recorder", rec: "_Recorder", opt, profile: DeviceProfile,
-                       span: tuple[int, int]) -> dict:
+                       span: tuple[int, int], local=lambda t: t) -> dict:
     """``StepGraph.first_optimizer_step`` from the record of the optimizer's first step:
     the state it makes refers to the state tensors of the traced step (``rec``); state
-    that lives in host memory on the target (CUDA's step counters) makes no event."""
+    that lives in host memory on the target (CUDA's step counters) makes no event.
+    ``local``: the tensor whose storage holds a state value (a DTensor's local shard)."""
     import torch
 
     state_of: dict[int, int] = {}  # local id -> tensor id in the traced step (-2: host)
     for st in opt.state.values():
         for k, v in st.items():
-            if isinstance(v, torch.Tensor) and _storage_key(v) not in first.state_before:
-                local = first.live.get(_storage_key(v))
-                if local is not None:
+            if not isinstance(v, torch.Tensor):
+                continue
+            v = local(v)
+            if _storage_key(v) not in first.state_before:
+                here = first.live.get(_storage_key(v))
+                if here is not None:
                     on_device = state_on_device(opt, k, v, profile)
-                    state_of[local] = rec.live.get(_storage_key(v), -1) if on_device else -2
+                    state_of[here] = rec.live.get(_storage_key(v), -1) if on_device else -2
     events = []
     for t in first.tensors:
         state = state_of.get(t.id, -1)

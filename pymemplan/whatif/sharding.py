@@ -294,6 +294,9 @@ class _State:
         self.survey: dict[int, tuple] = {}
         self.thread = threading.get_ident()
         self.collectives: list[tuple] = []   # (op, bytes, phase), during the traced step
+        # The recorder of the optimizer's first step (in the warm-up): it records, but what
+        # the warm-up makes is surveyed and its collectives are not the traced step's.
+        self.first_rec = None
         self.backend = "nccl"           # whose buffers a collective takes: "gloo" or "nccl"
 
     def note(self, out) -> None:
@@ -393,11 +396,11 @@ def _mode(state: _State):
                     return func(*args, **kwargs)
             rec = state.rec
             out = rec.dispatch(func, args, kwargs) if rec is not None else func(*args, **kwargs)
-            if rec is None:
+            if rec is None or rec is state.first_rec:
                 state.note(out)
             if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
                     and isinstance(out[1], torch.ScriptObject):
-                if rec is not None:
+                if rec is not None and rec is not state.first_rec:
                     state.collectives.append((func.overloadpacket.__name__,
                                               _collective_bytes(func, args), rec.phase))
                     if state.backend == "gloo":
@@ -675,8 +678,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
     from torch.utils import _pytree as pytree
 
     from ..planner.capture import (_backward, _check_loss, _describe_inputs, _fake_like,
-                                   _function_mode, _to_loss, _untraceable, backward_phase,
-                                   finish_recording)
+                                   _first_step_events, _function_mode, _to_loss, _untraceable,
+                                   backward_phase, finish_recording)
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
@@ -763,12 +766,33 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
             # The warm-up step creates the optimizer's state, FSDP's lazy state and DDP's
             # gradient-ready order; the traced step is then the steady state.
             state.label = "warm-up"
+            first = None
             try:
                 loss = step()
                 _backward(loss)
                 del loss
-                if opt is not None:
+                if opt is not None and strategy not in ("ddp", "zero1"):
                     optimizer_step()
+                elif opt is not None:
+                    # The optimizer's first step, recorded: where it makes its state. Only
+                    # on plain tensors: under FSDP (DTensor parameters) the recorded first
+                    # step holds full-size temporaries that later steps do not, not yet
+                    # understood, so the state is made before the run there.
+                    first = state.first_rec = _recorder_class()(profile, fake_mode, None)
+                    first.phase = OPTIMIZER
+                    for p in params:
+                        first.register(_local(p), PARAMETER)
+                        if p.grad is not None:
+                            first.register(_local(p.grad), GRADIENT)
+                    first.state_before = {_local(v).untyped_storage()._cdata
+                                          for st in inner.state.values() for v in st.values()
+                                          if isinstance(v, torch.Tensor)}
+                    state.rec = first
+                    try:
+                        optimizer_step()
+                    finally:
+                        state.rec = None
+                        first.close()
                 (opt if opt is not None else wrapped).zero_grad(set_to_none=True)
             except PlannerError:
                 raise
@@ -863,6 +887,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                     rec.phase = OPTIMIZER
                     phase_starts[OPTIMIZER] = len(rec.ops)
                     optimizer_step()
+                    step_span = (phase_starts[OPTIMIZER], len(rec.ops))
         except PlannerError:
             raise
         except Exception as e:
@@ -907,8 +932,10 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                              "description": DESCRIPTIONS[strategy]},
                 "collectives": [{"op": op, "bytes": b, "phase": ph}
                                 for op, b, ph in state.collectives]}
+        first_step = (_first_step_events(first, rec, inner, profile, step_span, local=_local)
+                      if first is not None and inner is not None else None)
         graph = StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
-                          phase_starts=phase_starts, meta=meta)
+                          phase_starts=phase_starts, meta=meta, first_optimizer_step=first_step)
         # Drop the fake world (FSDP's state, DDP's reducer and its hooks) before the process
         # group goes.
         del fmodel, wrapped, opt, inner, params, scaler, step, optimizer_step
