@@ -723,7 +723,8 @@ void CachingAllocator::insert_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
   const bool reserved = b->segment->arena || b->claimed;
   if (b->unmapped) {
-    unmapped_free_.insert(b);
+    // Address space only: listed so that it merges, but in no list a search reads
+    // (expand() walks the segment's blocks).
   } else if (reserved) {
     arena_free_.insert(b);
   } else {
@@ -745,7 +746,7 @@ void CachingAllocator::erase_free(Block* b) {
   Pool& pool = b->segment->small ? small_ : large_;
   const bool reserved = b->segment->arena || b->claimed;
   if (b->unmapped) {
-    unmapped_free_.erase(b);
+    // listed in no set (insert_free)
   } else if (reserved) {
     arena_free_.erase(b);
   } else {

@@ -284,7 +284,6 @@ class CachingAllocator : public Allocator {
   std::set<Block*, LargestFirst> unused_segments_;        // free blocks spanning a whole segment
                                                           // (arenas excepted)
   std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas, and claimed ones
-  std::set<Block*, BlockByAddress> unmapped_free_;        // unmapped blocks of expandable segments
   std::size_t claimed_blocks_ = 0;                        // blocks (free or not) marked claimed
   std::unordered_map<std::uintptr_t, Share*> shares_;     // by page address, both sides
   std::deque<PendingEvent> pending_;

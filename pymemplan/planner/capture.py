@@ -379,15 +379,10 @@ def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode) -> "_Recorder"
     import torch
 
     rec = _Recorder(profile, fake_mode, None)
-    rec.phase = OPTIMIZER  # scalars read from fake tensors get placeholders (dispatch)
     params = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
-        rec.register(p, PARAMETER)
         p.grad = torch.zeros_like(p)
-        rec.register(p.grad, GRADIENT)
-    # State some optimizers make when they are built (Adagrad's sums): not the first step's.
-    rec.state_before = {_storage_key(v) for st in opt.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor)}
+    begin_first_step(rec, opt, params)
     try:
         with _dispatch_mode(rec):
             opt.step()
@@ -396,6 +391,21 @@ def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode) -> "_Recorder"
     for p in params:
         p.grad = None
     return rec
+
+
+def begin_first_step(rec: "_Recorder", opt, params, local=lambda t: t) -> None:
+    """Ready ``rec`` to record an optimizer's first step: the parameters and gradients
+    exist before it, and so does state some optimizers make when they are built (Adagrad's
+    sums), which is not the first step's. ``local``: as for :func:`_first_step_events`."""
+    import torch
+
+    rec.phase = OPTIMIZER  # scalars read from fake tensors get placeholders (dispatch)
+    for p in params:
+        rec.register(local(p), PARAMETER)
+        if p.grad is not None:
+            rec.register(local(p.grad), GRADIENT)
+    rec.state_before = {_storage_key(local(v)) for st in opt.state.values()
+                        for v in st.values() if isinstance(v, torch.Tensor)}
 
 
 def _first_step_events(first: "_Recorder", rec: "_Recorder", opt, profile: DeviceProfile,

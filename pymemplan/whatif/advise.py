@@ -84,6 +84,7 @@ def torch_policy_from_conf(conf: str | None) -> tuple[str, list[str]]:
     ("torch" or "torch=key:value,..."), and the settings the model leaves out (e.g.
     ``garbage_collection_threshold``, or ``backend:cudaMallocAsync``, another allocator).
     Raises ValueError for a value the model rejects, naming the variable."""
+    from .. import _core
     from ..traces.replay import parse_policy
 
     kept, left, depth, item = [], [], 0, ""
@@ -103,7 +104,7 @@ def torch_policy_from_conf(conf: str | None) -> tuple[str, list[str]]:
     policy = "torch=" + ",".join(kept) if kept else "torch"
     try:
         parse_policy(policy)
-    except Exception as e:  # _core.AllocatorError: the bad key or value, and the valid ones
+    except _core.AllocatorError as e:  # names the bad key or value, and the valid ones
         raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: {e}") from None
     return policy, left
 

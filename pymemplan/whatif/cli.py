@@ -100,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"pymemplan plan: --{flag.replace('_', '-')} must be positive, got {v}",
                   file=sys.stderr)
             return 2
+    policy = args.policy
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if args.policy is None and conf and args.device == "cuda":
+    if policy is None and args.device == "cuda":
         from .advise import torch_policy_from_conf
 
         try:
@@ -109,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"pymemplan plan: {e}", file=sys.stderr)
             return 2
-        err.print(f"reserved memory: PyTorch's allocator as PYTORCH_CUDA_ALLOC_CONF sets it "
-                  f"({policy})" + (f"; not modelled: {', '.join(left)}" if left else ""))
+        if conf:
+            err.print(f"reserved memory: PyTorch's allocator as PYTORCH_CUDA_ALLOC_CONF sets "
+                      f"it ({policy})" + (f"; not modelled: {', '.join(left)}" if left else ""))
     model = args.model or DEFAULT_MODEL
     batch = args.batch if args.batch is not None or args.model else DEFAULT_BATCH
     techniques = [x.strip() for x in args.techniques.split(",") if x.strip()]
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             a = advise(w.model, w.inputs, loss_fn=w.loss_fn, capacity=args.capacity,
                        make_inputs=make_inputs, make_loss_fn=make_loss_fn,
                        optimizer=_optimizer(args.optimizer), target_batch=args.target_batch,
-                       world_size=args.world_size, device=args.device, policy=args.policy,
+                       world_size=args.world_size, device=args.device, policy=policy,
                        techniques=techniques, progress=lambda what: status.update(what + " ..."),
                        **({"probe_kernels": False} if args.no_probe else {}))
     except (PlannerError, ValueError, OSError) as e:

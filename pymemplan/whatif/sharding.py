@@ -679,7 +679,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
 
     from ..planner.capture import (_backward, _check_loss, _describe_inputs, _fake_like,
                                    _first_step_events, _function_mode, _to_loss, _untraceable,
-                                   backward_phase, finish_recording)
+                                   backward_phase, begin_first_step, finish_recording)
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
@@ -779,14 +779,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                     # step holds full-size temporaries that later steps do not, not yet
                     # understood, so the state is made before the run there.
                     first = state.first_rec = _recorder_class()(profile, fake_mode, None)
-                    first.phase = OPTIMIZER
-                    for p in params:
-                        first.register(_local(p), PARAMETER)
-                        if p.grad is not None:
-                            first.register(_local(p.grad), GRADIENT)
-                    first.state_before = {_local(v).untyped_storage()._cdata
-                                          for st in inner.state.values() for v in st.values()
-                                          if isinstance(v, torch.Tensor)}
+                    begin_first_step(first, inner, params, local=_local)
                     state.rec = first
                     try:
                         optimizer_step()
