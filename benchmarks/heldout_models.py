@@ -32,3 +32,94 @@ def unet(c: int = 32):
             return self.out(self.u1(torch.cat([F.interpolate(u, scale_factor=2), a], 1)))
 
     return UNet()
+
+
+def moe_lm(vocab: int = 8000, d: int = 256, layers: int = 4, experts: int = 8, top: int = 2):
+    """A decoder-style language model whose feed-forward layers are mixtures of experts with
+    top-k routing: the tokens each expert gets, and so the sizes of its activations, depend
+    on the data and change at every step."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(d, experts)
+            self.up = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(experts))
+            self.down = nn.ModuleList(nn.Linear(4 * d, d) for _ in range(experts))
+
+        def forward(self, x):
+            flat = x.reshape(-1, d)
+            weight, chosen = self.gate(flat).softmax(-1).topk(top, -1)
+            out = torch.zeros_like(flat)
+            for e in range(experts):
+                token, slot = (chosen == e).nonzero(as_tuple=True)
+                if token.numel() == 0:
+                    continue
+                y = self.down[e](F.gelu(self.up[e](flat.index_select(0, token))))
+                out = out.index_add(0, token, y * weight[token, slot].unsqueeze(-1))
+            return out.reshape(x.shape)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.attn = nn.ModuleList(nn.MultiheadAttention(d, 4, batch_first=True) for _ in range(layers))
+            self.norm1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+            self.norm2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+            self.moe = nn.ModuleList(MoE() for _ in range(layers))
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for attn, n1, n2, moe in zip(self.attn, self.norm1, self.norm2, self.moe):
+                h = n1(x)
+                x = x + attn(h, h, h, need_weights=False)[0]
+                x = x + moe(n2(x))
+            return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+    return Model()
+
+
+def gcn(features: int = 128, hidden: int = 256, classes: int = 16, layers: int = 3):
+    """A graph convolutional network: each layer a linear map, then a sum over the edges
+    (index_select + index_add). Graphs of another size at every step."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            dims = [features] + [hidden] * (layers - 1) + [classes]
+            self.lin = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+        def forward(self, x, src, dst):
+            for i, lin in enumerate(self.lin):
+                x = lin(x)
+                x = torch.zeros_like(x).index_add(0, dst, x.index_select(0, src))
+                if i < len(self.lin) - 1:
+                    x = F.relu(x)
+            return x
+
+    return GCN()
+
+
+def lstm_lm(vocab: int = 10000, d: int = 512, layers: int = 2):
+    """An embedding, a stacked LSTM and a linear head, with the cross-entropy in forward."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class LSTMLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.rnn = nn.LSTM(d, d, layers, batch_first=True)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            out = self.head(self.rnn(self.embed(ids))[0])
+            return F.cross_entropy(out.flatten(0, 1), ids.flatten())
+
+    return LSTMLM()

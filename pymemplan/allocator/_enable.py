@@ -120,7 +120,9 @@ def enable(policy: str = DEFAULT_POLICY, **config: Any) -> None:
     max_non_split_rounding_mb, release_before_grow, cross_stream_reuse, medium_segment_mb,
     and oom_action ("raise", the default: an OOM is a RuntimeError starting with
     "pymemplan: out of memory"; "null": PyTorch gets NULL). ``policy`` is "pymemplan",
-    "torch" (a model of PyTorch's own rules) or "nocache".
+    "pymemplan-vmm" (stitched virtual-memory segments), "pymemplan-planned" (plan-guided
+    placement over the vmm pool), "torch" (a model of PyTorch's own rules) or "nocache";
+    each policy's keys are listed in the README's Policies section.
 
     Calling it again with the same config does nothing; with another config it raises.
     Raises ValueError for a bad key or value, RuntimeError when CUDA was initialized first,
