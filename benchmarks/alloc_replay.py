@@ -381,23 +381,26 @@ def workloads():
                 opt.zero_grad(set_to_none=True)
         return run
 
-    def moe(batch, seq, steps):
-        # Mixture-of-experts layers: how many tokens each expert gets depends on the data, so
-        # no two steps allocate the same sizes.
+    def heldout(build, optimizer, lr, inputs, steps):
+        # A model of heldout_models whose forward returns the loss, trained on inputs(step).
         def run():
             import heldout_models
 
             torch.manual_seed(0)
-            model = heldout_models.moe_lm()
-            opt = torch.optim.AdamW(model.parameters(), 1e-4)
-            for _ in range(steps):
-                model(torch.randint(0, 8000, (batch, seq))).backward()
+            model = getattr(heldout_models, build)()
+            opt = optimizer(model.parameters(), lr)
+            for i in range(steps):
+                model(*inputs(i)).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return run
 
+    def tokens(vocab, batch, seq):
+        return lambda i: (torch.randint(0, vocab, (batch, seq)),)
+
     def gnn(sizes):
-        # A graph network over graphs of another size at every step (10 edges per node).
+        # A graph network over graphs of another size at every step (10 edges per node); the
+        # labels are made after the forward pass, inside the loss.
         def run():
             import heldout_models
 
@@ -408,19 +411,6 @@ def workloads():
                 x = torch.randn(n, 128)
                 src, dst = torch.randint(0, n, (10 * n,)), torch.randint(0, n, (10 * n,))
                 F.cross_entropy(model(x, src, dst), torch.randint(0, 16, (n,))).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        return run
-
-    def lstm(batch, seq, steps):
-        def run():
-            import heldout_models
-
-            torch.manual_seed(0)
-            model = heldout_models.lstm_lm()
-            opt = torch.optim.Adam(model.parameters(), 1e-3)
-            for _ in range(steps):
-                model(torch.randint(0, 10000, (batch, seq))).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return run
@@ -478,9 +468,11 @@ def workloads():
         # them: speech, mixture-of-experts routing, graphs, a recurrent network, a data
         # loader's prefetch.
         "whisper_2l": whisper(4, 1500, 64, 4),
-        "moe_4l": moe(8, 128, 5),
+        # Mixture-of-experts layers: how many tokens each expert gets depends on the data,
+        # so no two steps allocate the same sizes.
+        "moe_4l": heldout("moe_lm", torch.optim.AdamW, 1e-4, tokens(8000, 8, 128), 5),
         "gnn_varsize": gnn([5000, 8000, 3000, 8000, 6000, 5000]),
-        "lstm_lm": lstm(32, 64, 4),
+        "lstm_lm": heldout("lstm_lm", torch.optim.Adam, 1e-3, tokens(10000, 32, 64), 4),
         "resnet18_prefetch": prefetched("resnet18", 16, 112, 5),
     }
 

@@ -84,7 +84,7 @@ def moe_lm(vocab: int = 8000, d: int = 256, layers: int = 4, experts: int = 8, t
 
 def gcn(features: int = 128, hidden: int = 256, classes: int = 16, layers: int = 3):
     """A graph convolutional network: each layer a linear map, then a sum over the edges
-    (index_select + index_add). Graphs of another size at every step."""
+    (index_select + index_add). Returns the class scores of the nodes."""
     import torch
     import torch.nn.functional as F
     from torch import nn
