@@ -419,3 +419,46 @@ def test_batch_norm_under_autocast_saves_fp32_statistics():
                         device="cpu", autocast=torch.bfloat16, probe_kernels=False)
     stats = [x for x in t.tensors if "batch_norm" in x.op and x.shape == (64,)]
     assert stats and all(x.dtype == "float32" and x.nbytes == 64 * 4 for x in stats)
+
+
+class _GroupedExperts(torch.nn.Module):
+    """Mixture-of-experts feed-forward as transformers' grouped_mm implementation runs it:
+    tokens sorted by expert, one torch._grouped_mm per projection over all experts."""
+
+    def __init__(self, experts=4, d=32, hidden=64, inner=None):
+        super().__init__()
+        self.experts = experts
+        self.up = torch.nn.Parameter(torch.randn(experts, d, hidden) * 0.1)
+        self.down = torch.nn.Parameter(torch.randn(experts, inner or hidden, d) * 0.1)
+
+    def forward(self, x):
+        offs = torch.arange(1, self.experts + 1, dtype=torch.int32) * (x.shape[0] // self.experts)
+        h = torch._grouped_mm(x, self.up, offs=offs).relu()
+        return torch._grouped_mm(h, self.down, offs=offs)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_mm_experts_in_fp32_trace_exactly():
+    # torch's meta kernel of _grouped_mm accepts only bf16/fp16 operands; its CPU and CUDA
+    # kernels run fp32 as well, so fp32 mixture-of-experts models (Mixtral, Qwen-MoE, OLMoE
+    # in transformers' default implementation) must trace, and exactly.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), _GroupedExperts())
+    x = torch.randn(64, 32)
+    loss = lambda out: out.pow(2).mean()  # noqa: E731
+    t = pymemplan.trace(model, (x,), loss_fn=loss, optimizer=torch.optim.AdamW, device="cpu")
+    measured = measure_step(model, (x,), loss_fn=loss, optimizer=torch.optim.AdamW)
+    assert t.peak_bytes == measured.peak_bytes
+    grouped = [x for x in t.tensors if "_grouped_mm" in x.op]
+    assert grouped and all(x.dtype == "float32" for x in grouped)
+    assert {x.shape for x in grouped} >= {(64, 64), (64, 32)}
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_mm_with_operands_that_do_not_fit_is_still_an_error():
+    # The fp32 fallback only relaxes the dtype: shapes that do not fit fail as before.
+    from pymemplan.planner.errors import UntraceableError
+
+    model = _GroupedExperts(inner=48)  # down expects 48 inputs, up makes 64
+    with pytest.raises(UntraceableError, match="_grouped_mm"):
+        pymemplan.trace(model, (torch.randn(64, 32),), loss_fn=lambda o: o.mean(), device="cpu")

@@ -186,7 +186,12 @@ class _Recorder:
             return _placeholder_scalar(args[0])
         self.ops.append(OpNode(index, name, module, self.phase, node))
         try:
-            out = func(*args, **(kwargs or {}))
+            try:
+                out = func(*args, **(kwargs or {}))
+            except RuntimeError:
+                out = _grouped_mm_any_dtype(func, args, kwargs)
+                if out is None:
+                    raise
         except Exception as e:
             if self.error is None:
                 shapes = [tuple(a.shape) for a in flat_in]
@@ -283,6 +288,31 @@ def _mixed_batch_norm_stats(args, out):
         if out[i].dtype != torch.float32:
             out[i] = torch.empty_like(out[i], dtype=torch.float32)
     return tuple(out)
+
+
+def _grouped_mm_any_dtype(func, args, kwargs):
+    """``aten._grouped_mm`` (the experts of mixture-of-experts layers, e.g. transformers'
+    ``grouped_mm`` implementation) on fp32 operands: torch's meta kernel accepts only bf16
+    and fp16, while its CPU and CUDA kernels run fp32 too (a fallback). The output has the
+    shape bf16 operands give it, and fp32 (or ``out_dtype``). None for any other op or dtype,
+    so that the original error stands."""
+    import torch
+
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+    if grouped is None or func is not getattr(grouped, "default", None):
+        return None
+    mats = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if len(mats) != 2 or any(m.dtype != torch.float32 for m in mats):
+        return None
+    # _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None)
+    kwargs = dict(kwargs or {})
+    out_dtype = kwargs.pop("out_dtype", None) or (args[4] if len(args) > 4 else None)
+    bias = kwargs.pop("bias", None) if len(args) <= 3 else args[3]
+    half = [m.to(torch.bfloat16) for m in mats] + list(args[2:3])
+    if bias is not None:
+        kwargs["bias"] = bias.to(torch.bfloat16)
+    shape = func(*half, **kwargs).shape
+    return torch.empty(shape, dtype=out_dtype or torch.float32, device=mats[0].device)
 
 
 def _flop_formula(func):
