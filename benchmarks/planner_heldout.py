@@ -7,8 +7,9 @@
 are others, each with something those lack: a UNet (GroupNorm, SiLU, upsampling, skip
 concatenations), a T5 encoder-decoder (relative position bias, cross-attention), ConvNeXt-T
 (depthwise convolutions, LayerNorm over channels), Swin-T (shifted windows), a two-layer
-LSTM language model (oneDNN workspaces), and a GPT-2 under bf16 autocast (weights cast in
-the forward pass). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
+LSTM language model (oneDNN workspaces), a GPT-2 under bf16 autocast (weights cast in
+the forward pass), Mixtral and Qwen2-MoE (mixtures of experts run as grouped matrix
+products), Mistral (sliding-window attention) and DeBERTa-v2 (disentangled attention). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
 probe on, the CPU default) and its steady-state step is then run for real
 (``pymemplan.planner.measure.measure_step``: AdamW's state made by a warm-up step first).
 Random weights; sizes chosen so a real CPU step takes seconds.
@@ -87,6 +88,34 @@ def workloads():
                                            n_positions=256))
         return Loss(model), (torch.randint(0, 8000, (4, 256)),), None, torch.bfloat16
 
+    def mixture_of_experts(config, model, **kw):
+        # transformers' MoE decoders run their experts as torch._grouped_mm, in fp32 here.
+        def build():
+            import transformers
+
+            cfg = getattr(transformers, config)(vocab_size=8000, hidden_size=256,
+                                                num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2, **kw)
+            return (Loss(getattr(transformers, model)(cfg)), (torch.randint(0, 8000, (4, 128)),),
+                    None, None)
+        return build
+
+    def mistral():
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(
+            vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, sliding_window=64))
+        return Loss(model), (torch.randint(0, 8000, (4, 256)),), None, None
+
+    def deberta():
+        from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+        model = DebertaV2ForMaskedLM(DebertaV2Config(
+            vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+            num_attention_heads=4))
+        return Loss(model), (torch.randint(0, 8000, (8, 128)),), None, None
+
     return {
         "unet": ("UNet (GroupNorm, skip concatenations), batch 6 at 96x96", unet),
         "t5": ("T5 encoder-decoder, 4 + 4 layers, batch 8, 128 -> 64 tokens", t5),
@@ -94,6 +123,18 @@ def workloads():
         "swin_t": ("Swin-T, batch 2 at 112x112", swin),
         "lstm_lm": ("embedding + 2-layer LSTM (512), batch 16 x 64", lstm),
         "gpt2_bf16": ("GPT-2, 4 layers of 384, batch 4 x 256, bf16 autocast", gpt2_bf16),
+        "mixtral": ("Mixtral, 2 layers of 256, 8 experts (top 2), batch 4 x 128",
+                    mixture_of_experts("MixtralConfig", "MixtralForCausalLM", intermediate_size=512,
+                                       num_local_experts=8, num_experts_per_tok=2)),
+        "qwen2_moe": ("Qwen2-MoE, 2 layers of 256, 8 experts (top 2) and a shared one, "
+                      "batch 4 x 128",
+                      mixture_of_experts("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                                         intermediate_size=512, moe_intermediate_size=256,
+                                         shared_expert_intermediate_size=512, num_experts=8,
+                                         num_experts_per_tok=2)),
+        "mistral": ("Mistral, 4 layers of 256, sliding window 64, batch 4 x 256", mistral),
+        "deberta_v2": ("DeBERTa-v2 (disentangled attention), 4 layers of 256, batch 8 x 128",
+                       deberta),
     }
 
 
