@@ -9,7 +9,9 @@ concatenations), a T5 encoder-decoder (relative position bias, cross-attention),
 (depthwise convolutions, LayerNorm over channels), Swin-T (shifted windows), a two-layer
 LSTM language model (oneDNN workspaces), a GPT-2 under bf16 autocast (weights cast in
 the forward pass), Mixtral and Qwen2-MoE (mixtures of experts run as grouped matrix
-products), Mistral (sliding-window attention) and DeBERTa-v2 (disentangled attention). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
+products), a mixture of experts whose router picks tokens with ``torch.nonzero`` (traced
+with ``nonzero_density``), Mistral (sliding-window attention) and DeBERTa-v2 (disentangled
+attention). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
 probe on, the CPU default) and its steady-state step is then run for real
 (``pymemplan.planner.measure.measure_step``: AdamW's state made by a warm-up step first).
 Random weights; sizes chosen so a real CPU step takes seconds.
@@ -32,7 +34,8 @@ TARGET_ERROR = 0.005
 
 
 def workloads():
-    """name -> (description, build); build() returns (model, inputs, loss_fn, autocast)."""
+    """name -> (description, build); build() returns (model, inputs, loss_fn, autocast) and,
+    for some, a dict of further pymemplan.trace arguments."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -100,6 +103,14 @@ def workloads():
                     None, None)
         return build
 
+    def routed_moe():
+        # Experts that pick their tokens with torch.nonzero: sizes that depend on values,
+        # traced at the density of an even routing (1/8 for 8 experts).
+        import heldout_models
+
+        model = heldout_models.moe_lm(experts=8, top=2)
+        return model, (torch.randint(0, 8000, (8, 128)),), None, None, {"nonzero_density": 1 / 8}
+
     def mistral():
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -132,6 +143,8 @@ def workloads():
                                          intermediate_size=512, moe_intermediate_size=256,
                                          shared_expert_intermediate_size=512, num_experts=8,
                                          num_experts_per_tok=2)),
+        "moe_nonzero": ("4 layers of 256, 8 experts (top 2) picking tokens with nonzero, "
+                        "batch 8 x 128, nonzero_density=1/8", routed_moe),
         "mistral": ("Mistral, 4 layers of 256, sliding window 64, batch 4 x 256", mistral),
         "deberta_v2": ("DeBERTa-v2 (disentangled attention), 4 layers of 256, batch 8 x 128",
                        deberta),
@@ -145,10 +158,10 @@ def measure(name, build) -> dict:
     from pymemplan.planner.measure import measure_step
 
     torch.manual_seed(0)
-    model, inputs, loss_fn, autocast = build()
+    model, inputs, loss_fn, autocast, *extra = build()
     t0 = time.perf_counter()
     t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
-                        device="cpu", autocast=autocast)
+                        device="cpu", autocast=autocast, **(extra[0] if extra else {}))
     trace_seconds = time.perf_counter() - t0
     measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
                             autocast=autocast).peak_bytes

@@ -65,3 +65,33 @@ def test_import_pymemplan_does_not_import_torch():
             "assert callable(pymemplan.trace); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("value, message", [("3", "not in (0, 1]"), ("1/0", "not a number"),
+                                            ("lots", "not a number")])
+def test_nonzero_density_option_rejects_what_is_not_a_share(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "mlp", "--nonzero-density", value])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_nonzero_density_option_sizes_masks(tmp_path, capsys):
+    f = tmp_path / "masked.py"
+    f.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(16, 16)\n"
+        "    def forward(self, x):\n"
+        "        y = self.lin(x)\n"
+        "        return y[y[:, 0] > 0]\n"
+        "def build():\n"
+        "    return M(), (torch.randn(1000, 16),), lambda out: out.pow(2).mean()\n")
+    assert main(["trace", f"{f}:build", "--device", "cpu", "--no-probe", "--json"]) == 2
+    assert "nonzero_density" in capsys.readouterr().err
+    assert main(["trace", f"{f}:build", "--device", "cpu", "--no-probe", "--json",
+                 "--nonzero-density", "1/4"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["peak_bytes"] > 250 * 16 * 4  # the 250 rows the mask keeps, at least

@@ -49,6 +49,27 @@ def test_value_dependent_forward_names_op_module_and_fix(mode):
     assert "torch.where" in msg and "values" in msg  # what to change
 
 
+def test_a_mask_without_a_density_says_how_to_give_one():
+    with pytest.raises(UntraceableError, match="nonzero_density=") as e:
+        pymemplan.trace(Net("mask"), (torch.randn(4, 8),), loss_fn=mean_loss)
+    assert "1/E" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, "1/8", True, float("nan")])
+def test_nonzero_density_outside_0_1_is_an_error(bad):
+    with pytest.raises(PlannerError, match=r"nonzero_density=.*\(0, 1\]"):
+        pymemplan.trace(Net("mask"), (torch.randn(4, 8),), loss_fn=mean_loss,
+                        nonzero_density=bad)
+
+
+def test_a_density_does_not_hide_other_value_dependent_code():
+    # .item() and `if tensor:` still need values: a density sizes masks only.
+    for mode in ("item", "if"):
+        with pytest.raises(UntraceableError, match="enc.1"):
+            pymemplan.trace(Net(mode), (torch.randn(4, 8),), loss_fn=mean_loss,
+                            nonzero_density=0.5)
+
+
 def test_inputs_that_do_not_fit_the_model():
     model = Net()
     with pytest.raises(UntraceableError) as e:

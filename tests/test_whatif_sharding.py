@@ -221,3 +221,25 @@ def test_code_snippet_names_the_blocks(workload):
     assert "ZeroRedundancyOptimizer" in S.code_snippet("zero1", 2)
     assert "DistributedDataParallel" in S.code_snippet("ddp", 2)
     assert "reshard_after_forward" not in S.code_snippet("fsdp", 2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_masks_in_a_sharded_step_are_sized_by_the_density(strategy):
+    # The warm-up step (no recorder) and the traced one both size masks by the density.
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y[y[:, 0] > 0]
+
+    model, x = Masked(), torch.randn(512, 64)
+    loss = lambda out: out.pow(2).mean()  # noqa: E731
+    with pytest.raises(PlannerError, match="DynamicOutputShape|value"):
+        S.trace_sharded(model, (x,), strategy=strategy, world_size=2, loss_fn=loss,
+                        device="cpu", probe_kernels=False)
+    t = S.trace_sharded(model, (x,), strategy=strategy, world_size=2, loss_fn=loss,
+                        device="cpu", probe_kernels=False, nonzero_density=0.25)
+    assert any(info.shape == (128, 64) for info in t.tensors if info.op == "aten.index.Tensor")

@@ -16,7 +16,8 @@ from .timeline import Timeline, build_timeline, live_at, live_interval
 
 def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=None,
           train: bool = True, probe_kernels: bool | None = None, progress=None,
-          grads_present: bool = False, grad_scaler: bool = False) -> "MemoryTrace":
+          grads_present: bool = False, grad_scaler: bool = False,
+          nonzero_density: float | None = None) -> "MemoryTrace":
     """Predict the memory of one training step of ``model`` on ``inputs``, without running it.
 
     - ``inputs``: a tuple of positional arguments (a single tensor is accepted too).
@@ -40,6 +41,14 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
       into them: a micro-step of gradient accumulation after the first. With an
       optimizer, it is the last micro-step, the one that also runs the optimizer.
     - ``grad_scaler``: trace ``torch.amp.GradScaler``'s part of the step too (fp16).
+    - ``nonzero_density``: ops whose output size depends on tensor values (``nonzero``,
+      ``torch.where(mask)``, ``masked_select``, indexing with a boolean mask) are sized as
+      if this share (0 < d <= 1) of each mask's elements were true. For a
+      mixture-of-experts router over E experts, 1/E: every expert gets its even share of
+      the tokens. Under training, the saved activations of all experts together do not
+      depend on how tokens are routed; one expert's temporaries at a time do, so an uneven
+      routing can take the real peak a little higher. 1.0 (every mask all true) bounds it
+      from above. None (the default): such ops are an error that says so.
 
     The model is never modified: its parameters, gradients and modes are as before.
     """
@@ -48,15 +57,17 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     profile = get_profile(device)
     inputs, probe_kernels = check_trace_args(model, inputs, profile, autocast=autocast,
                                              loss_fn=loss_fn, probe_kernels=probe_kernels)
+    check_density(nonzero_density)
     g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                 autocast=autocast, train=train, progress=progress,
                 probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
-                grad_scaler=grad_scaler)
+                grad_scaler=grad_scaler, nonzero_density=nonzero_density)
     t = MemoryTrace(g)
     # How to trace the same step again (a checkpoint plan is verified that way).
     t._trace_kwargs = dict(loss_fn=loss_fn, optimizer=optimizer, device=device,
                            autocast=autocast, train=train, probe_kernels=probe_kernels,
-                           grads_present=grads_present, grad_scaler=grad_scaler)
+                           grads_present=grads_present, grad_scaler=grad_scaler,
+                           nonzero_density=nonzero_density)
     t._traced_with = _remember(model, inputs)
     return t
 
@@ -100,6 +111,20 @@ def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels
         raise PlannerError(f"probe_kernels=True needs the target device to run kernels on; "
                            f"it works for device='cpu' only, not {profile.name!r}")
     return inputs, probe_kernels
+
+
+def check_density(density) -> None:
+    """``nonzero_density`` is None or a share of a mask's elements, in (0, 1]."""
+    import numbers
+
+    if density is None:
+        return
+    if (isinstance(density, bool) or not isinstance(density, numbers.Real)
+            or not 0 < density <= 1):
+        raise PlannerError(
+            f"nonzero_density={density!r}: it is the share of a mask's elements that are true, "
+            f"a number in (0, 1], e.g. 1/8 for a mixture-of-experts router over 8 experts; "
+            f"or None to have value-dependent sizes reported as an error")
 
 
 def _probe_limit() -> int:

@@ -45,7 +45,10 @@ _VALUE_HINT = (
     "`if tensor:` or `while tensor > 0:` on tensor values, `torch.nonzero` or boolean-mask "
     "indexing whose result size depends on the data. Make that code depend on shapes only "
     "(e.g. `torch.where(cond, a, b)` instead of `if`), pass the value as a Python number, "
-    "or move it out of the model's forward.")
+    "or move it out of the model's forward. For `torch.nonzero`, `torch.where(mask)` and "
+    "boolean masks (a mixture-of-experts router picking each expert's tokens), pass "
+    "nonzero_density=, the share of a mask's elements that are true: 1/E for a router over "
+    "E experts, which routes evenly on average.")
 
 
 def _storage_key(t) -> int:
@@ -76,6 +79,9 @@ class _Recorder:
         self.param_module: dict[int, str] = {}  # id(fake parameter) -> owning module path
         self.closed = False
         self.error: tuple | None = None     # (exception, op, module, phase, input shapes)
+        # trace(nonzero_density=): the share of a mask's elements taken as true where an
+        # output's size depends on values (torch.nonzero, boolean masks); None: an error.
+        self.nonzero_density: float | None = None
 
     # -- storages ------------------------------------------------------------------------
     def _new(self, t, category: str, op_index: int, op: str = "", name: str = "",
@@ -191,6 +197,8 @@ class _Recorder:
             except RuntimeError:
                 out = _grouped_mm_any_dtype(func, args, kwargs)
                 if out is None:
+                    out = _at_density(func, args, kwargs, self.nonzero_density)
+                if out is None:
                     raise
         except Exception as e:
             if self.error is None:
@@ -288,6 +296,49 @@ def _mixed_batch_norm_stats(args, out):
         if out[i].dtype != torch.float32:
             out[i] = torch.empty_like(out[i], dtype=torch.float32)
     return tuple(out)
+
+
+def _at_density(func, args, kwargs, density):
+    """Ops whose output size depends on tensor values, sized as if ``density`` of each mask's
+    elements were true (``trace(nonzero_density=...)``): ``nonzero`` (and ``torch.where``
+    with one argument, ``argwhere``), ``masked_select``, and indexing or index-putting with a
+    boolean mask, whose masks become index tensors of that many entries. None for any other
+    op, or without a density: the fake kernel's error stands."""
+    import torch
+
+    if density is None:
+        return None
+    aten = torch.ops.aten
+
+    def count(numel):
+        return int(round(numel * density))
+
+    def as_indices(indices):
+        # A boolean mask over k dims selects count(mask) positions: k long index tensors.
+        out, changed = [], False
+        for ix in indices:
+            if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8):
+                n = count(ix.numel())
+                out.extend(torch.zeros(n, dtype=torch.long, device=ix.device) for _ in range(ix.dim()))
+                changed = True
+            else:
+                out.append(ix)
+        return out, changed
+
+    kwargs = kwargs or {}
+    if func is aten.nonzero.default:
+        x = args[0]
+        return torch.empty((count(x.numel()), x.dim()), dtype=torch.long, device=x.device)
+    if func is aten.masked_select.default:
+        x, mask = args[0], args[1]
+        n = count(torch.Size(torch.broadcast_shapes(x.shape, mask.shape)).numel())
+        return torch.empty((n,), dtype=x.dtype, device=x.device)
+    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                aten._index_put_impl_.default):
+        indices, changed = as_indices(args[1])
+        if changed:
+            return func(args[0], indices, *args[2:], **kwargs)
+    return None
 
 
 def _grouped_mm_any_dtype(func, args, kwargs):
@@ -640,7 +691,7 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
 def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: DeviceProfile,
             autocast=None, train: bool = True, progress: Callable | None = None,
             probe_limit: int = 0, grads_present: bool = False,
-            grad_scaler: bool = False) -> StepGraph:
+            grad_scaler: bool = False, nonzero_density: float | None = None) -> StepGraph:
     """Run one training step of `model` on fake copies of its state and record it.
 
     ``grads_present``: gradients already exist when the step starts, as in every
@@ -648,6 +699,8 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
     ``grad_scaler``: the step of ``torch.amp.GradScaler`` (fp16 training): the loss is
     scaled, gradients are unscaled and checked for infs before the optimizer step, and
     the scale is updated, on the scaler's own tensors.
+
+    ``nonzero_density``: see :func:`pymemplan.trace`.
 
     ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
     signatures whose tensors fit in that many bytes."""
@@ -661,6 +714,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     probes = ProbeSet(probe_limit) if probe_limit > 0 else None
     rec = _Recorder(profile, fake_mode, progress, probes)
+    rec.nonzero_density = nonzero_density
     modes = {m: m.training for m in model.modules()}
     hooks = []
     try:

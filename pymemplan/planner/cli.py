@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-probe", action="store_true",
                    help="with --device cpu: do not run kernels to measure their scratch "
                         "memory (nothing real is allocated; oneDNN scratch is then missed)")
+    add_density_option(p)
     p.add_argument("--top", type=int, default=10, help="rows in the module and tensor tables")
     p.add_argument("--plot", metavar="PNG", help="write a plot of live memory over the step")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -43,6 +44,29 @@ def add_parser(sub) -> None:
                         "modules to recompute, the predicted peak and recompute cost "
                         "(under 'checkpoint_plan' with --json)")
     p.set_defaults(func=run)
+
+
+def _density(text: str) -> float:
+    """A share such as 0.125 or 1/8."""
+    import argparse
+
+    try:
+        num, _, den = text.partition("/")
+        value = float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number such as 0.125 or 1/8")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]: it is the share of a "
+                                         f"mask's elements that are true")
+    return value
+
+
+def add_density_option(p) -> None:
+    p.add_argument("--nonzero-density", type=_density, metavar="D",
+                   help="size the outputs of torch.nonzero, torch.where(mask) and boolean-mask "
+                        "indexing as if this share (e.g. 1/8) of each mask were true; for a "
+                        "mixture-of-experts router over E experts, 1/E (default: such ops are "
+                        "an error)")
 
 
 def _optimizer(name: str):
@@ -94,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             t = trace(w.model, w.inputs, loss_fn=w.loss_fn, optimizer=_optimizer(args.optimizer),
                       device=args.device,
                       autocast=getattr(torch, autocast) if autocast else None,
-                      probe_kernels=False if args.no_probe else None, progress=progress)
+                      probe_kernels=False if args.no_probe else None, progress=progress,
+                      nonzero_density=args.nonzero_density)
     except (PlannerError, ValueError, OSError) as e:
         print(f"pymemplan trace: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..units import format_bytes
+from ..planner.cli import add_density_option
 
 DEFAULT_CAPACITY = "24GiB"
 DEFAULT_BATCH = 16  # for the built-in default model: GPT-2 small, 16 x 1024, on 24 GiB
@@ -50,6 +51,7 @@ def add_parser(sub) -> None:
                    help=f"comma-separated subset of {','.join(TECHNIQUES)}")
     p.add_argument("--no-probe", action="store_true",
                    help="with --device cpu: do not run kernels to measure their scratch memory")
+    add_density_option(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--html", metavar="HTML", help="write a self-contained report page")
     p.add_argument("--plot", metavar="PNG", help="write the best configuration's timeline")
@@ -145,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                        optimizer=_optimizer(args.optimizer), target_batch=args.target_batch,
                        world_size=args.world_size, device=args.device, policy=policy,
                        techniques=techniques, progress=lambda what: status.update(what + " ..."),
+                       nonzero_density=args.nonzero_density,
                        **({"probe_kernels": False} if args.no_probe else {}))
     except (PlannerError, ValueError, OSError) as e:
         hint = ""

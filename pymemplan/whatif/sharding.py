@@ -298,6 +298,7 @@ class _State:
         # the warm-up makes is surveyed and its collectives are not the traced step's.
         self.first_rec = None
         self.backend = "nccl"           # whose buffers a collective takes: "gloo" or "nccl"
+        self.nonzero_density = None     # trace_sharded(nonzero_density=): see _at_density
 
     def note(self, out) -> None:
         import torch
@@ -372,6 +373,8 @@ def _mode(state: _State):
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from ..planner.capture import _at_density
+
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
     empty = torch.ops.aten.empty.memory_format
 
@@ -395,7 +398,15 @@ def _mode(state: _State):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
             rec = state.rec
-            out = rec.dispatch(func, args, kwargs) if rec is not None else func(*args, **kwargs)
+            if rec is not None:
+                out = rec.dispatch(func, args, kwargs)
+            else:  # the warm-up step: no recorder, the same sizes
+                try:
+                    out = func(*args, **kwargs)
+                except RuntimeError:
+                    out = _at_density(func, args, kwargs, state.nonzero_density)
+                    if out is None:
+                        raise
             if rec is None or rec is state.first_rec:
                 state.note(out)
             if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
@@ -614,7 +625,8 @@ def _fsdp_params(model) -> list:
 def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 0,
                   loss_fn=None, optimizer=None, device="cuda", autocast=None,
                   probe_kernels=None, progress=None, grad_scaler: bool = False,
-                  train: bool = True, grads_present: bool = False, **options):
+                  train: bool = True, grads_present: bool = False,
+                  nonzero_density: float | None = None, **options):
     """Predict one rank's training step under a sharding ``strategy`` over ``world_size``
     ranks (see :data:`STRATEGIES` and the module's docstring for what each runs).
 
@@ -624,8 +636,8 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
     ``meta["collectives"]`` every collective of the step with its bytes.
 
     The arguments are :func:`pymemplan.trace`'s (``loss_fn``, ``optimizer``, ``device``,
-    ``autocast``, ``probe_kernels``, ``progress``, ``grad_scaler``; ``train`` must stay
-    True and ``grads_present`` False), plus:
+    ``autocast``, ``probe_kernels``, ``progress``, ``grad_scaler``, ``nonzero_density``;
+    ``train`` must stay True and ``grads_present`` False), plus:
 
     - ``strategy``: one of :data:`STRATEGIES`; ``world_size``: ranks (GPUs), at least 1;
       ``rank``: the rank traced (ranks differ where shards are uneven, and under zero1);
@@ -644,7 +656,7 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
     """
     import torch
 
-    from ..planner.api import MemoryTrace, _probe_limit, check_trace_args
+    from ..planner.api import MemoryTrace, _probe_limit, check_density, check_trace_args
     from ..planner.profile import get_profile
 
     _check_strategy(strategy, world_size, rank)
@@ -658,6 +670,7 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
     profile = get_profile(device)
     inputs, probe_kernels = check_trace_args(model, inputs, profile, autocast=autocast,
                                              loss_fn=loss_fn, probe_kernels=probe_kernels)
+    check_density(nonzero_density)
     if not any(p.requires_grad for p in model.parameters()):
         raise PlannerError("the model has no parameters that require grad: nothing to shard")
     if strategy in ("zero1",) and optimizer is None:
@@ -666,12 +679,14 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
                          loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                          autocast=autocast, progress=progress,
                          probe_limit=_probe_limit() if probe_kernels else 0,
-                         grad_scaler=grad_scaler, options=options)
+                         grad_scaler=grad_scaler, options=options,
+                         nonzero_density=nonzero_density)
     return MemoryTrace(g)
 
 
 def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, optimizer,
-                     profile, autocast, progress, probe_limit, grad_scaler, options):
+                     profile, autocast, progress, probe_limit, grad_scaler, options,
+                     nonzero_density=None):
     """trace_sharded's work: set up the fake world, warm up, record one step."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -700,6 +715,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = _State(fake_mode)
+    state.nonzero_density = nonzero_density
     # Whose staging buffers collectives take: gloo's on the CPU target, NCCL's (none) on CUDA.
     state.backend = "gloo" if profile.name == "cpu" else "nccl"
     mode = _mode(state)
@@ -779,6 +795,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                     # step holds full-size temporaries that later steps do not, not yet
                     # understood, so the state is made before the run there.
                     first = state.first_rec = _recorder_class()(profile, fake_mode, None)
+                    first.nonzero_density = nonzero_density
                     begin_first_step(first, inner, params, local=_local)
                     state.rec = first
                     try:
@@ -812,6 +829,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         # -- what exists when the step starts ---------------------------------------------
         probes = ProbeSet(probe_limit) if probe_limit > 0 else None
         rec = _recorder_class()(profile, fake_mode, progress, probes)
+        rec.nonzero_density = nonzero_density
         stack.callback(rec.close)
         fsdp = _fsdp_params(fmodel) if strategy in ("zero2", "zero3", "fsdp") else []
         names: dict[int, str] = {}
