@@ -501,6 +501,9 @@ def test_nonzero_routed_experts_trace_at_their_density_close_to_a_real_step():
     worst = pymemplan.trace(model, (x,), loss_fn=loss, optimizer=torch.optim.AdamW,
                             device="cpu", nonzero_density=1.0)
     assert worst.peak_bytes >= measured.peak_bytes
+    # The checkpoint planner runs the forward again on fake tensors, at the same density.
+    problem = t.checkpoint_problem()
+    assert problem.candidates
     # Each expert got its even share: 256 tokens x 2 choices / 4 experts.
     picked = [x.shape for x in t.tensors if x.op == "aten.index.Tensor" and x.module == "1"]
     assert picked.count((128, 32)) == 4 and all(shape[0] == 128 for shape in picked)

@@ -430,7 +430,9 @@ class MemoryTrace:
                 flops, outputs, names, mutated = forward_facts(model, inputs,
                                                       train=self.graph.meta.get("train", True),
                                                       device=self.graph.device,
-                                                      autocast=self.graph.meta.get("autocast"))
+                                                      autocast=self.graph.meta.get("autocast"),
+                                                      nonzero_density=self.graph.meta.get(
+                                                          "nonzero_density"))
                 # Module outputs by op index are only meaningful if the ops line up with
                 # the trace's (they may not under a device profile or autocast).
                 traced = [op.name for op in self.graph.ops[:len(names)]]

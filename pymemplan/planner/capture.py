@@ -192,14 +192,7 @@ class _Recorder:
             return _placeholder_scalar(args[0])
         self.ops.append(OpNode(index, name, module, self.phase, node))
         try:
-            try:
-                out = func(*args, **(kwargs or {}))
-            except RuntimeError:
-                out = _grouped_mm_any_dtype(func, args, kwargs)
-                if out is None:
-                    out = _at_density(func, args, kwargs, self.nonzero_density)
-                if out is None:
-                    raise
+            out = run_op(func, args, kwargs, self.nonzero_density)
         except Exception as e:
             if self.error is None:
                 shapes = [tuple(a.shape) for a in flat_in]
@@ -296,6 +289,23 @@ def _mixed_batch_norm_stats(args, out):
         if out[i].dtype != torch.float32:
             out[i] = torch.empty_like(out[i], dtype=torch.float32)
     return tuple(out)
+
+
+def run_op(func, args, kwargs, nonzero_density=None):
+    """``func(*args, **kwargs)`` on fake tensors, where the fake kernel's refusal has an
+    answer: fp32 ``_grouped_mm`` (:func:`_grouped_mm_any_dtype`) and, with a density,
+    value-dependent sizes (:func:`_at_density`). Otherwise the kernel's error stands.
+    Every pass that runs a model on fake tensors (capture, sharded warm-up, the checkpoint
+    planner's forward) goes through it, so that they all see the same ops."""
+    try:
+        return func(*args, **(kwargs or {}))
+    except RuntimeError:
+        out = _grouped_mm_any_dtype(func, args, kwargs)
+        if out is None:
+            out = _at_density(func, args, kwargs, nonzero_density)
+        if out is None:
+            raise
+        return out
 
 
 def _at_density(func, args, kwargs, density):
@@ -836,6 +846,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                                            if opt is not None else None),
                                "autocast": str(autocast).replace("torch.", "") if autocast else None,
                                "grads_present": grads_present,
+                               "nonzero_density": nonzero_density,
                                "inputs": _describe_inputs(tuple(inputs)),
                                "kernel_scratch_probe": probe_stats,
                                "torch_version": torch.__version__})

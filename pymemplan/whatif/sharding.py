@@ -373,7 +373,7 @@ def _mode(state: _State):
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ..planner.capture import _at_density
+    from ..planner.capture import run_op
 
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
     empty = torch.ops.aten.empty.memory_format
@@ -400,13 +400,8 @@ def _mode(state: _State):
             rec = state.rec
             if rec is not None:
                 out = rec.dispatch(func, args, kwargs)
-            else:  # the warm-up step: no recorder, the same sizes
-                try:
-                    out = func(*args, **kwargs)
-                except RuntimeError:
-                    out = _at_density(func, args, kwargs, state.nonzero_density)
-                    if out is None:
-                        raise
+            else:  # the warm-up step: no recorder, the same kernels
+                out = run_op(func, args, kwargs, state.nonzero_density)
             if rec is None or rec is state.first_rec:
                 state.note(out)
             if func.namespace == "c10d" and isinstance(out, tuple) and len(out) == 2 \
@@ -933,6 +928,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                 "foreach": inner.param_groups[0].get("foreach") if inner is not None else None,
                 "autocast": str(autocast).replace("torch.", "") if autocast else None,
                 "grad_scaler": bool(grad_scaler),
+                "nonzero_density": nonzero_density,
                 "inputs": _describe_inputs(tuple(inputs)),
                 "kernel_scratch_probe": probe_stats,
                 "torch_version": torch.__version__,

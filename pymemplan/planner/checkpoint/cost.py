@@ -60,13 +60,15 @@ def module_flops(model, inputs) -> dict[str, float]:
     return forward_facts(model, inputs)[0]
 
 
-def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autocast=None):
+def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autocast=None,
+                  nonzero_density=None):
     """Run the model's forward once on fake tensors (nothing computed or allocated) and
     return ``(flops, outputs, op_names, mutated)``.
 
     ``device`` (the traced step's target, whose profile reroutes attention and dropout to
-    the kernels that device runs) and ``autocast`` (a dtype, or its name as the trace's
-    meta records it) reproduce the trace's conditions, so the ops line up with it:
+    the kernels that device runs), ``autocast`` (a dtype, or its name as the trace's
+    meta records it) and ``nonzero_density`` (see :func:`pymemplan.trace`) reproduce the
+    trace's conditions, so the ops line up with it:
 
     - ``flops``: forward FLOPs per module path, inclusive of submodules ("" = the model);
     - ``outputs``: module path -> ``(op index, bytes)`` of the storages its forward
@@ -95,6 +97,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ..capture import run_op
     from ..profile import get_profile, kernel_overrides
 
     overrides = kernel_overrides(get_profile(device))
@@ -117,7 +120,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            out = run_op(func, args, kwargs, nonzero_density)
             heavy = is_compute_bound(str(func))
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
