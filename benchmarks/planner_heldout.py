@@ -11,7 +11,7 @@ LSTM language model (oneDNN workspaces), a GPT-2 under bf16 autocast (weights ca
 the forward pass), Mixtral and Qwen2-MoE (mixtures of experts run as grouped matrix
 products), a mixture of experts whose router picks tokens with ``torch.nonzero`` (traced
 with ``nonzero_density``), Mistral (sliding-window attention) and DeBERTa-v2 (disentangled
-attention). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
+attention), and Mamba (a state-space model's scan over time). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
 probe on, the CPU default) and its steady-state step is then run for real
 (``pymemplan.planner.measure.measure_step``: AdamW's state made by a warm-up step first).
 Random weights; sizes chosen so a real CPU step takes seconds.
@@ -111,6 +111,15 @@ def workloads():
         model = heldout_models.moe_lm(experts=8, top=2)
         return model, (torch.randint(0, 8000, (8, 128)),), None, None, {"nonzero_density": 1 / 8}
 
+    def mamba():
+        # A selective state-space model; without the mamba_ssm kernels transformers runs its
+        # reference scan, a loop over time whose slices' gradients autograd sums in place.
+        from transformers import MambaConfig, MambaForCausalLM
+
+        model = MambaForCausalLM(MambaConfig(vocab_size=8000, hidden_size=256,
+                                             num_hidden_layers=4, state_size=16))
+        return Loss(model), (torch.randint(0, 8000, (4, 128)),), None, None
+
     def mistral():
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -145,6 +154,7 @@ def workloads():
                                          num_experts_per_tok=2)),
         "moe_nonzero": ("4 layers of 256, 8 experts (top 2) picking tokens with nonzero, "
                         "batch 8 x 128, nonzero_density=1/8", routed_moe),
+        "mamba": ("Mamba (reference scan), 4 layers of 256, state 16, batch 4 x 128", mamba),
         "mistral": ("Mistral, 4 layers of 256, sliding window 64, batch 4 x 256", mistral),
         "deberta_v2": ("DeBERTa-v2 (disentangled attention), 4 layers of 256, batch 8 x 128",
                        deberta),

@@ -82,6 +82,10 @@ class _Recorder:
         # trace(nonzero_density=): the share of a mask's elements taken as true where an
         # output's size depends on values (torch.nonzero, boolean masks); None: an error.
         self.nonzero_density: float | None = None
+        # A gradient sum the autograd engine made in backward (see _note_sum), whose
+        # operands' frees right after it are being watched: (op index, result id,
+        # operand ids, operand ids freed since).
+        self.sum_watch: tuple | None = None
 
     # -- storages ------------------------------------------------------------------------
     def _new(self, t, category: str, op_index: int, op: str = "", name: str = "",
@@ -109,6 +113,9 @@ class _Recorder:
     def _on_free(self, key: int, tid: int) -> None:
         if self.closed:
             return
+        w = self.sum_watch
+        if w is not None and len(self.ops) == w[0] + 1 and tid in w[2]:
+            w[3].append(tid)
         info = self.tensors[tid]
         info.freed_before = len(self.ops)
         info.free_seq = self._tick()
@@ -130,11 +137,51 @@ class _Recorder:
             self.host.add(key)
             self.finalizers.append(weakref.finalize(t.untyped_storage(), self._on_host_free, key))
 
+    def _settle_sum(self) -> None:
+        """Eager autograd adds a gradient into the buffered one in place when it holds the
+        only reference to either (torch/csrc/autograd/input_buffer.cpp,
+        can_accumulate_inplace); never for tensor subclasses such as fake tensors, which
+        get ``old + new`` instead, with both alive at the add. If an operand of the add
+        watched died right after it (no one else held it), the real step added into it in
+        place: the sum takes its place, counted from the next op on and made after the
+        operand's free, so that the two never count at the same time. The buffered operand
+        first, as the engine tries it first."""
+        w, self.sum_watch = self.sum_watch, None
+        if w is None:
+            return
+        index, result, operands, freed = w
+        target = next((t for t in operands if t in freed), None)
+        if target is None:
+            return
+        info, made = self.tensors[target], self.tensors[result]
+        if info.nbytes != made.nbytes or info.dtype != made.dtype:
+            return
+        made.alloc_op = index + 1
+        info.free_seq = made.alloc_seq - 0.5
+
     def close(self) -> None:
+        self._settle_sum()
         self.closed = True
         for f in self.finalizers:
             f.detach()
         self.finalizers.clear()
+
+    def _note_sum(self, func, args, kwargs, outs, index) -> None:
+        """Watch an ``add`` of two gradients of the same size in backward (see
+        _settle_sum): the autograd engine's sum of two contributions to one gradient."""
+        import torch
+
+        if (self.phase != BACKWARD or func is not torch.ops.aten.add.Tensor or kwargs
+                or len(args) != 2 or len(outs) != 1 or outs[0] is None):
+            return
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype):
+            return
+        operands = [self.live.get(_storage_key(t)) for t in (a, b)]
+        if None in operands or operands[0] == operands[1]:
+            return
+        self.sum_watch = (index, outs[0][0], operands, [])
 
     # -- module attribution --------------------------------------------------------------
     def module_now(self) -> str:
@@ -172,6 +219,9 @@ class _Recorder:
         import torch
         from torch._subclasses.fake_tensor import is_fake
         from torch.utils import _pytree as pytree
+
+        if self.sum_watch is not None:
+            self._settle_sum()
 
         flat_in = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         for a in flat_in:
@@ -250,6 +300,7 @@ class _Recorder:
                 op.flops = float(formula(*args, **(kwargs or {}), out_val=out))
             except Exception:  # an overload the formula does not cover: no FLOPs known
                 op.flops = 0.0
+        self._note_sum(func, args, kwargs, outs, index)
         if self.probes is not None and not on_host:
             self.probes.add(index, func, args, kwargs, new_bytes, outs, out)
         if self.progress is not None and index % 500 == 0:
@@ -297,12 +348,14 @@ def run_op(func, args, kwargs, nonzero_density=None):
     value-dependent sizes (:func:`_at_density`). Otherwise the kernel's error stands.
     Every pass that runs a model on fake tensors (capture, sharded warm-up, the checkpoint
     planner's forward) goes through it, so that they all see the same ops."""
+    # Before the fake kernel, which would log its refusal at error level on every call.
+    out = _grouped_mm_any_dtype(func, args, kwargs)
+    if out is not None:
+        return out
     try:
         return func(*args, **(kwargs or {}))
     except RuntimeError:
-        out = _grouped_mm_any_dtype(func, args, kwargs)
-        if out is None:
-            out = _at_density(func, args, kwargs, nonzero_density)
+        out = _at_density(func, args, kwargs, nonzero_density)
         if out is None:
             raise
         return out
@@ -355,8 +408,8 @@ def _grouped_mm_any_dtype(func, args, kwargs):
     """``aten._grouped_mm`` (the experts of mixture-of-experts layers, e.g. transformers'
     ``grouped_mm`` implementation) on fp32 operands: torch's meta kernel accepts only bf16
     and fp16, while its CPU and CUDA kernels run fp32 too (a fallback). The output has the
-    shape bf16 operands give it, and fp32 (or ``out_dtype``). None for any other op or dtype,
-    so that the original error stands."""
+    shape bf16 operands give it, and fp32 (or ``out_dtype``). None for any other op or dtype:
+    the fake kernel runs as usual."""
     import torch
 
     grouped = getattr(torch.ops.aten, "_grouped_mm", None)
