@@ -192,15 +192,21 @@ def markdown(rows, descriptions) -> str:
     return "\n".join(lines)
 
 
+def parse_args(doc: str, names, out: Path, argv=None):
+    """--models (a subset of names), --markdown, --out: the options of the planner's
+    model benchmarks (this one and planner_sweep.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--models", nargs="*", default=list(names), choices=list(names))
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=out)
+    return ap.parse_args(argv)
+
+
 def main(argv=None) -> int:
     import torch
 
     known = workloads()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="*", default=list(known), choices=list(known))
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULT)
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, known, RESULT, argv)
 
     rows = []
     for name in args.models:

@@ -17,7 +17,6 @@ Exit status 0 when every model that traces is within 0.5% of its measured peak.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -215,12 +214,10 @@ def summary(rows) -> str:
 def main(argv=None) -> int:
     import torch
 
+    from planner_heldout import parse_args
+
     known = models()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="*", default=list(known), choices=list(known))
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULT)
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, known, RESULT, argv)
 
     rows = []
     for name in args.models:
