@@ -553,3 +553,44 @@ def test_gradients_summed_in_backward_are_summed_in_place_as_autograd_does():
     for info in t.tensors:
         if info.freed_after is not None and info.alloc_op >= 0:
             assert info.alloc_op <= info.freed_after + 1
+
+
+class _WithIdleParts(torch.nn.Module):
+    """Two trained layers, a frozen one before them, and a module that forward never calls
+    (a pooler the loss does not use, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(256, 256).requires_grad_(False)
+        self.a = torch.nn.Linear(256, 256)
+        self.b = torch.nn.Linear(256, 10)
+        self.unused = torch.nn.Linear(512, 512)
+
+    def forward(self, x):
+        return self.b(self.a(self.frozen(x)))
+
+
+@pytest.mark.parametrize("build_optimizer", [
+    torch.optim.AdamW,                                     # a class: over trainable params
+    lambda model: torch.optim.AdamW(model.parameters()),  # an instance over every parameter
+], ids=["class", "instance-over-all-parameters"])
+def test_parameters_without_gradients_get_no_optimizer_state(build_optimizer):
+    # torch's optimizers skip a parameter whose .grad is None, in every step: the unused
+    # module's and the frozen layer's state would be 4.2 MB too many.
+    torch.manual_seed(0)
+    model = _WithIdleParts()
+    x = torch.randn(64, 256)
+    loss = lambda out: out.mean()  # noqa: E731
+    optimizer = (build_optimizer if isinstance(build_optimizer, type)
+                 else build_optimizer(model))
+    t = pymemplan.trace(model, (x,), loss_fn=loss, optimizer=optimizer, device="cpu")
+    measured = measure_step(model, (x,), loss_fn=loss,
+                            optimizer=build_optimizer if isinstance(build_optimizer, type)
+                            else (lambda params: build_optimizer(model)))
+    assert t.peak_bytes == measured.peak_bytes
+    assert t.breakdown()["optimizer_state"] == 2 * 4 * (256 * 256 + 256 + 256 * 10 + 10) + 4 * 4
+    # Nor does the optimizer's first step make state for them (reserved memory's run).
+    unused_state = 512 * 512 * 4
+    assert not any(e[0] == 0 and e[3] == unused_state
+                   for e in t.graph.first_optimizer_step["events"])
+    assert t.reserved_peak("torch") > 0

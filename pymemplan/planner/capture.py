@@ -86,6 +86,7 @@ class _Recorder:
         # operands' frees right after it are being watched: (op index, result id,
         # operand ids, operand ids freed since).
         self.sum_watch: tuple | None = None
+        self.sum_aliases: list[tuple[int, int]] = []  # (operand, sum): see _settle_sum
 
     # -- storages ------------------------------------------------------------------------
     def _new(self, t, category: str, op_index: int, op: str = "", name: str = "",
@@ -143,9 +144,8 @@ class _Recorder:
         can_accumulate_inplace); never for tensor subclasses such as fake tensors, which
         get ``old + new`` instead, with both alive at the add. If an operand of the add
         watched died right after it (no one else held it), the real step added into it in
-        place: the sum takes its place, counted from the next op on and made after the
-        operand's free, so that the two never count at the same time. The buffered operand
-        first, as the engine tries it first."""
+        place: the sum is that operand's storage, living on (merged in
+        :meth:`merge_sums`). The buffered operand first, as the engine tries it first."""
         w, self.sum_watch = self.sum_watch, None
         if w is None:
             return
@@ -156,8 +156,27 @@ class _Recorder:
         info, made = self.tensors[target], self.tensors[result]
         if info.nbytes != made.nbytes or info.dtype != made.dtype:
             return
-        made.alloc_op = index + 1
-        info.free_seq = made.alloc_seq - 0.5
+        self.sum_aliases.append((target, result))
+
+    def merge_sums(self) -> None:
+        """Each sum that eager autograd makes in place (_settle_sum) becomes its operand's
+        storage living on: the operand takes the sum's release, last use and role (a
+        parameter's gradient, say), and the sum allocates nothing. Chains (a sum added
+        into again) end on the first operand."""
+        root: dict[int, int] = {}
+        for operand, result in self.sum_aliases:
+            first = root.get(operand, operand)
+            keep, gone = self.tensors[first], self.tensors[result]
+            if gone.category == GRADIENT:
+                # A parameter's gradient: there the real step allocates all the same (the
+                # sum of a tied weight's two gradients, measured), so it stays as it is.
+                continue
+            root[result] = first
+            keep.freed_before, keep.free_seq = gone.freed_before, gone.free_seq
+            keep.last_use = max(keep.last_use, gone.last_use)
+            keep.category = gone.category
+            gone.size = gone.nbytes = 0
+        self.sum_aliases.clear()
 
     def close(self) -> None:
         self._settle_sum()
@@ -166,20 +185,26 @@ class _Recorder:
             f.detach()
         self.finalizers.clear()
 
-    def _note_sum(self, func, args, kwargs, outs, index) -> None:
+    def _note_sum(self, func, args, kwargs, out, outs, index) -> None:
         """Watch an ``add`` of two gradients of the same size in backward (see
         _settle_sum): the autograd engine's sum of two contributions to one gradient."""
         import torch
 
         if (self.phase != BACKWARD or func is not torch.ops.aten.add.Tensor or kwargs
-                or len(args) != 2 or len(outs) != 1 or outs[0] is None):
+                or len(args) != 2 or len(outs) != 1 or outs[0] is None
+                or not isinstance(out, torch.Tensor)):
             return
         a, b = args
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.shape == b.shape and a.dtype == b.dtype):
             return
-        operands = [self.live.get(_storage_key(t)) for t in (a, b)]
-        if None in operands or operands[0] == operands[1]:
+        # Only an operand laid out as the sum is: one added into in place keeps its own
+        # strides (a transposed matmul gradient, say), and what needs the sum's layout then
+        # copies it (a parameter's gradient follows the parameter's strides), which the sum
+        # made out of place here stands for.
+        operands = [self.live.get(_storage_key(t)) for t in (a, b) if t.stride() == out.stride()]
+        operands = [t for t in operands if t is not None]
+        if not operands or len(set(operands)) != len(operands):
             return
         self.sum_watch = (index, outs[0][0], operands, [])
 
@@ -300,7 +325,7 @@ class _Recorder:
                 op.flops = float(formula(*args, **(kwargs or {}), out_val=out))
             except Exception:  # an overload the formula does not cover: no FLOPs known
                 op.flops = 0.0
-        self._note_sum(func, args, kwargs, outs, index)
+        self._note_sum(func, args, kwargs, out, outs, index)
         if self.probes is not None and not on_host:
             self.probes.add(index, func, args, kwargs, new_bytes, outs, out)
         if self.progress is not None and index % 500 == 0:
@@ -515,25 +540,32 @@ def _torch():
     return torch
 
 
-def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode) -> "_Recorder":
+def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode, trained) -> "_Recorder":
     """The optimizer's first step, on zero gradients, recorded: it makes the optimizer's
     state, so that the traced step is the steady state, as in every step after the first,
     and the record says where a real run's first step makes that state (Adam: all of it
-    before the first update; SGD with momentum: each buffer as its parameter comes)."""
+    before the first update; SGD with momentum: each buffer as its parameter comes).
+
+    It runs after the traced backward pass, once it is known which parameters get a
+    gradient (``trained``: their ids): torch's optimizers skip a parameter whose ``.grad``
+    is None, in the first step as in every later one, so one the step does not train (never
+    used in forward, or frozen but given to the optimizer) gets no state. The traced step's
+    gradients are set aside meanwhile and put back."""
     import torch
 
     rec = _Recorder(profile, fake_mode, None)
     params = [p for g in opt.param_groups for p in g["params"]]
+    kept = [p.grad for p in params]
     for p in params:
-        p.grad = torch.zeros_like(p)
-    begin_first_step(rec, opt, params)
+        p.grad = torch.zeros_like(p) if id(p) in trained else None
+    begin_first_step(rec, opt, [p for p in params if p.grad is not None])
     try:
         with _dispatch_mode(rec):
             opt.step()
     finally:
         rec.close()
-    for p in params:
-        p.grad = None
+        for p, g in zip(params, kept):
+            p.grad = g
     return rec
 
 
@@ -550,6 +582,25 @@ def begin_first_step(rec: "_Recorder", opt, params, local=lambda t: t) -> None:
             rec.register(local(p.grad), GRADIENT)
     rec.state_before = {_storage_key(local(v)) for st in opt.state.values()
                         for v in st.values() if isinstance(v, torch.Tensor)}
+
+
+def _trained(rec: "_Recorder", params, grad_versions: dict) -> set:
+    """Ids of the parameters the traced step gave a gradient. With ``grads_present``, every
+    parameter starts with one; one that backward did not add into belongs to a parameter
+    the step does not train, which in a real run has none: it goes, as if it never
+    existed."""
+    trained = set()
+    for p in params:
+        if p.grad is None:
+            continue
+        if grad_versions.get(id(p)) == p.grad._version:  # untouched since the step began
+            tid = rec.live.get(_storage_key(p.grad))
+            if tid is not None:
+                rec.tensors[tid].size = rec.tensors[tid].nbytes = 0
+            p.grad = None
+            continue
+        trained.add(id(p))
+    return trained
 
 
 def _first_step_events(first: "_Recorder", rec: "_Recorder", opt, profile: DeviceProfile,
@@ -655,6 +706,7 @@ def finish_recording(rec, probes, progress, activations, grads):
         rec.tensors[tid].category = ACTIVATION
     for tid in grads:
         rec.tensors[tid].category = GRADIENT
+    rec.merge_sums()
     return probe_stats
 
 
@@ -802,7 +854,6 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             opt = None
             if optimizer is not None:
                 opt = _make_optimizer(optimizer, params, fake_of, profile)
-                first = _first_optimizer_step(opt, profile, fake_mode)
             if grads_present:
                 for f in params:
                     f.grad = torch.zeros_like(f)
@@ -824,7 +875,14 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
         if scaler is not None:
             rec.register(scaler.scale, OPTIMIZER_STATE, "grad_scaler.scale")
             rec.register(scaler.growth_tracker, OPTIMIZER_STATE, "grad_scaler.growth_tracker")
-        if opt is not None:
+
+        state_mark = rec.seq
+
+        def register_state():
+            # Made by the first step (after backward, see _first_optimizer_step), but there
+            # before the traced step starts: registered as existing from its start, and
+            # ordered among what exists then as if registered now (after the inputs).
+            first_new = len(rec.tensors)
             for p, st in opt.state.items():
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
@@ -832,6 +890,9 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                             rec.register(v, OPTIMIZER_STATE, f"{pnames.get(id(p), '?')}.{k}")
                         else:
                             rec.register_host(v)
+            made = rec.tensors[first_new:]
+            for i, info in enumerate(made):
+                info.alloc_seq = state_mark + (i + 1) / (len(made) + 1)
 
         def enter(name):
             def hook(_module, _args):
@@ -849,6 +910,9 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
 
         phase_starts = {}
         activations: set[int] = set()
+        # Gradients that exist before the step (grads_present): one that backward does not
+        # add into belongs to a parameter the step does not train.
+        grad_versions = {id(f): f.grad._version for f in params if f.grad is not None}
         amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
         try:
@@ -867,6 +931,12 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                         loss = scaler.scale_loss(loss)
                     activations = backward_phase(rec, loss, phase_starts)
                     del loss
+            if opt is not None:
+                trained = _trained(rec, params, grad_versions)
+                with fake_mode:
+                    first = _first_optimizer_step(opt, profile, fake_mode, trained)
+                register_state()
+            with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)):
                 if opt is not None:
                     rec.phase = OPTIMIZER
                     phase_starts[OPTIMIZER] = len(rec.ops)
