@@ -594,3 +594,21 @@ def test_parameters_without_gradients_get_no_optimizer_state(build_optimizer):
     assert not any(e[0] == 0 and e[3] == unused_state
                    for e in t.graph.first_optimizer_step["events"])
     assert t.reserved_peak("torch") > 0
+
+
+def test_accumulation_micro_step_keeps_every_gradient_backward_adds_into():
+    # With grads_present, a gradient backward never adds into belongs to an untrained
+    # parameter and goes. One that backward replaces by a sum made out of place (a tied
+    # weight's, under fake tensors) was added into all the same, and stays.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500,
+                                  n_positions=64, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 500, (2, 32))
+    loss = lambda out: out.logits.float().mean()  # noqa: E731
+    t = pymemplan.trace(model, (ids,), loss_fn=loss, optimizer=torch.optim.AdamW, device="cpu",
+                        grads_present=True)
+    measured = measure_step(model, (ids,), loss_fn=loss, optimizer=torch.optim.AdamW,
+                            grads_present=True)
+    assert abs(t.peak_bytes - measured.peak_bytes) <= 0.001 * measured.peak_bytes

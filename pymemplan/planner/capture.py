@@ -185,12 +185,17 @@ class _Recorder:
             f.detach()
         self.finalizers.clear()
 
+    # Whether sums may be merged (_settle_sum). Not under FSDP (the sharded recorder): there
+    # a parameter's unsharded gradient is a temporary the collectives take, and merging its
+    # sums took 7.6–9.8% off BERT's and GPT-2's measured FSDP peaks.
+    merge_in_place_sums = True
+
     def _note_sum(self, func, args, kwargs, out, outs, index) -> None:
         """Watch an ``add`` of two gradients of the same size in backward (see
         _settle_sum): the autograd engine's sum of two contributions to one gradient."""
         import torch
 
-        if (self.phase != BACKWARD or func is not torch.ops.aten.add.Tensor or kwargs
+        if (not self.merge_in_place_sums or self.phase != BACKWARD or func is not torch.ops.aten.add.Tensor or kwargs
                 or len(args) != 2 or len(outs) != 1 or outs[0] is None
                 or not isinstance(out, torch.Tensor)):
             return
@@ -593,7 +598,10 @@ def _trained(rec: "_Recorder", params, grad_versions: dict) -> set:
     for p in params:
         if p.grad is None:
             continue
-        if grad_versions.get(id(p)) == p.grad._version:  # untouched since the step began
+        before = grad_versions.get(id(p))
+        # Untouched since the step began: the same tensor (backward may also replace it by
+        # a sum made out of place, as for fake tensors), not written since.
+        if before is not None and before[0] is p.grad and before[1] == p.grad._version:
             tid = rec.live.get(_storage_key(p.grad))
             if tid is not None:
                 rec.tensors[tid].size = rec.tensors[tid].nbytes = 0
@@ -912,7 +920,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
         activations: set[int] = set()
         # Gradients that exist before the step (grads_present): one that backward does not
         # add into belongs to a parameter the step does not train.
-        grad_versions = {id(f): f.grad._version for f in params if f.grad is not None}
+        grad_versions = {id(f): (f.grad, f.grad._version) for f in params if f.grad is not None}
         amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
         try:

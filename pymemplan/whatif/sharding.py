@@ -427,6 +427,7 @@ def _recorder_class():
         Tensors made while ``label`` is set (inside FSDP's collectives) are named by it."""
 
         label = ""
+        merge_in_place_sums = False  # see _Recorder.merge_in_place_sums
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
