@@ -99,13 +99,17 @@ def test_cpu_prediction_matches_real_eager_step(case, optimizer):
     assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
 
 
-def test_hugging_face_gpt2_cpu_prediction_is_exact():
+def _tiny_gpt2(vocab):
+    """A 2-layer Hugging Face GPT-2 (tied embedding and head) and a batch of 2 x 32 ids."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab,
                                   n_positions=64, use_cache=False)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    ids = torch.randint(0, 128, (2, 32))
+    return transformers.GPT2LMHeadModel(cfg), torch.randint(0, vocab, (2, 32))
+
+
+def test_hugging_face_gpt2_cpu_prediction_is_exact():
+    model, ids = _tiny_gpt2(128)
     t = pymemplan.trace(model, (ids,), loss_fn=ce_loss, optimizer=torch.optim.AdamW, device="cpu")
     measured = measure_step(model, (ids,), loss_fn=ce_loss, optimizer=torch.optim.AdamW)
     assert abs(t.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
@@ -600,12 +604,7 @@ def test_accumulation_micro_step_keeps_every_gradient_backward_adds_into():
     # With grads_present, a gradient backward never adds into belongs to an untrained
     # parameter and goes. One that backward replaces by a sum made out of place (a tied
     # weight's, under fake tensors) was added into all the same, and stays.
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500,
-                                  n_positions=64, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    ids = torch.randint(0, 500, (2, 32))
+    model, ids = _tiny_gpt2(500)
     loss = lambda out: out.logits.float().mean()  # noqa: E731
     t = pymemplan.trace(model, (ids,), loss_fn=loss, optimizer=torch.optim.AdamW, device="cpu",
                         grads_present=True)
