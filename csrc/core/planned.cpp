@@ -812,11 +812,11 @@ bool PlannedAllocator::arm(int v) {
     const std::size_t shared_footprint = fits_shared ? footprint_of(p, held - saved) : 0;
     Packing shared_packing = save_packing(p, v);
     const bool fits = without && pack(p, v, (limit - held) / page() * page(), holes);
-    // Sharing must save two pages or more: it costs a device-wide synchronize and copies, and
-    // its pairs last as long as their blocks; a packing moves by a page either way with small
-    // changes of its holes, so one page is no evidence (one page won at the first arming of
-    // gpt2_4l_accum3 was lost twice over later, in the pool).
-    if (fits_shared && (!fits || shared_footprint + 2 * page() <= footprint_of(p, held))) {
+    // Sharing must save a page: it costs a device-wide synchronize and copies, once per
+    // arming. A one-page gain can be lost later, in the pool (gpt2_4l_accum3: 1.0072 ->
+    // 1.0085), but asking for two gave up more than it kept: on the recorded traces and
+    // 400 random loops, 22 steady states were worse with two (t5_4l 1.0051 -> 1.0105).
+    if (fits_shared && (!fits || shared_footprint + page() <= footprint_of(p, held))) {
       restore_packing(p, v, std::move(shared_packing));
       share = true;
     } else if (!fits) {
