@@ -131,13 +131,14 @@ def test_share_pages_config_key_is_checked():
                                               "share_pages:0").config
 
 
-def _state_then_steps(config):
+def _state_then_steps(config, pages=8):
     """Optimizer-state-like blocks made in the first iteration among its temporaries (each
-    ends up alone on half a page), then a repeated step that pymemplan-planned plans."""
+    ends up alone on half of one of `pages` pages), then a repeated step that
+    pymemplan-planned plans."""
     device = _core.SimulatedDevice(1 << 30)
     alloc = _core.Allocator(device, "pymemplan-planned", config)
     state, tmp = [], []
-    for k in range(8):
+    for k in range(pages):
         pair = [alloc.malloc(MiB), alloc.malloc(MiB)]
         state.append(pair[k % 2])
         tmp.append(pair[1 - k % 2])
@@ -163,6 +164,17 @@ def test_planned_shares_the_pages_of_blocks_that_outlive_the_step_when_it_arms()
         alloc.free(p)
     alloc.empty_cache()
     assert device.live_pages == 0 and device.mapped_pages == 0
+
+
+def test_planned_shares_when_that_saves_a_single_page():
+    """Two half-used pages become one when the plan arms: one page saved is enough to pay for
+    the synchronize (asking for two left t5_4l a page above its floor)."""
+    _, unshared, _ = _state_then_steps("share_pages:0", pages=2)
+    device, alloc, state = _state_then_steps("", pages=2)
+    assert alloc.plan_stats()["shared_page_bytes"] == 2 * MiB
+    assert (alloc.stats()["reserved_bytes.all.current"]
+            == unshared.stats()["reserved_bytes.all.current"] - 2 * MiB)
+    check_invariants(alloc, device, {p: MiB for p in state})
 
 
 def test_a_request_that_would_fail_gets_pages_given_back_by_sharing():
