@@ -814,8 +814,9 @@ bool PlannedAllocator::arm(int v) {
     const bool fits = without && pack(p, v, (limit - held) / page() * page(), holes);
     // Sharing must save a page: it costs a device-wide synchronize and copies, once per
     // arming. A one-page gain can be lost later, in the pool (gpt2_4l_accum3: 1.0072 ->
-    // 1.0085), but asking for two gave up more than it kept: on the recorded traces and
-    // 400 random loops, 22 steady states were worse with two (t5_4l 1.0051 -> 1.0105).
+    // 1.0085), but asking for two gave up more than it kept: over the recorded traces and
+    // 400 random loops, one page made 22 steady states lower and 2 higher (t5_4l: 1.0105
+    // -> 1.0051).
     if (fits_shared && (!fits || shared_footprint + page() <= footprint_of(p, held))) {
       restore_packing(p, v, std::move(shared_packing));
       share = true;
