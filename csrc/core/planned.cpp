@@ -323,8 +323,26 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
 
   const Slot* slot = nullptr;
   Slot matched;
+  std::uint64_t arm_after = 0;  // id of a plan to arm once this request is served
   if (active_ != kNoOffset) {
-    if (at_cut_) boundary();
+    if (at_cut_ && boundary(false)) {
+      // The plan arms at its cut. Where the pool, not the plan, will serve the request that
+      // starts the pass (a block that outlives the period, such as the next input batch made
+      // before the last is released), it arms once that request is served, so that what the
+      // pool holds then is what the plan is accepted against.
+      const std::size_t cursor = cursor_, skipped = pass_skipped_bytes_;
+      const bool cut = at_cut_;
+      bool x = false;
+      const Slot* first = match_plan(rounded, stream, &x);
+      cursor_ = cursor;
+      pass_skipped_bytes_ = skipped;
+      at_cut_ = cut;
+      if (first == nullptr || first->planned) {
+        arm_at_cut();
+      } else {
+        arm_after = plans_[active_].id;
+      }
+    }
     bool crossed = false;
     slot = match_plan(rounded, stream, &crossed);
     if (crossed && slot != nullptr) {
@@ -415,6 +433,23 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     live_hwm_ = std::max(live_hwm_, live_bytes_);
   }
   detect();
+  if (arm_after != 0 && active_ != kNoOffset && plans_[active_].id == arm_after) {
+    // The block this request replaces: the oldest live one of its token, made about a period
+    // ago (a loop variable rebound to a new batch before the last is released).
+    const std::size_t period = plans_[active_].period;
+    const std::uint64_t now = base_ + events_.size();
+    replaced_bytes_ = 0;
+    std::uint64_t oldest = now;
+    for (const auto& [addr, l] : live_) {
+      if (l.event >= base_ && l.event < oldest && now - l.event >= period / 2 &&
+          now - l.event <= 2 * static_cast<std::uint64_t>(period) && ev(l.event).token == token) {
+        oldest = l.event;
+        replaced_bytes_ = pool_->round_size(l.size);
+      }
+    }
+    arm_at_cut();
+    replaced_bytes_ = 0;
+  }
   return out;
 }
 
@@ -449,9 +484,10 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
   return nullptr;
 }
 
-void PlannedAllocator::boundary() {
+bool PlannedAllocator::boundary(bool arm_now) {
   // The cursor is at the plan's cut: the fewest planned bytes are alive. A pass that matched
-  // validates the plan; a validated plan that is not armed yet arms now.
+  // validates the plan; a validated plan that is not armed yet arms now (arm_now), or when
+  // the caller says (arm_at_cut). False: the plan was dropped and must not arm now.
   at_cut_ = false;
   Plan& p = plans_[active_];
   const std::uint64_t n = base_ + events_.size();
@@ -492,7 +528,7 @@ void PlannedAllocator::boundary() {
     disarm();
     p.refused_at[0] = p.refused_at[1] = pool_->reserved_high_water();
     ++arm_refusals_;
-    return;
+    return false;
   }
   if (stale) {
     refine(static_cast<std::size_t>(pass));
@@ -503,7 +539,13 @@ void PlannedAllocator::boundary() {
     refine(p.period);
     ++refinements_;
   }
-  if (!armed_ && plans_[active_].validated) arm(0);
+  if (arm_now) arm_at_cut();
+  return true;
+}
+
+void PlannedAllocator::arm_at_cut() {
+  Plan& p = plans_[active_];
+  if (!armed_ && p.validated) arm(0);
   if (armed_ && variant_ == 1) {
     // Armed when its first requests were recognised, the plan left those to the pool (they
     // had been served already). A whole pass is ahead now: its whole layout serves it, or, if
@@ -755,7 +797,11 @@ bool PlannedAllocator::arm(int v) {
   const std::size_t at_least = round_up(p.bound[v], page());
   pool_->trim(arena_, p.packed[v] ? round_up(p.arena[v], page()) : at_least);
   std::size_t mapped = arena_ != 0 ? pool_->arena_mapped(arena_) : 0;
-  const auto held = static_cast<std::size_t>(pool_->reserved_bytes()) - mapped;
+  // Pages of a block the pass's first request replaces (see allocate_locked) are not held
+  // for good: it is released within the pass.
+  const std::size_t replaced = std::min(replaced_bytes_ / page() * page(),
+                                        static_cast<std::size_t>(pool_->reserved_bytes()) - mapped);
+  const auto held = static_cast<std::size_t>(pool_->reserved_bytes()) - mapped - replaced;
   last_held_ = held;
   last_footprint_ = held + at_least;
   // The plan is used if its steady footprint (what the pool holds for live blocks, plus the

@@ -47,7 +47,11 @@
 //   back. The plan is used only if that footprint is at most the highest reserved so far, or
 //   within plan_slack per mille of the highest live bytes; the packer gives up as soon as it
 //   cannot meet that. An armed plan whose pass took memory past what it was accepted for is
-//   dropped at its next cut.
+//   dropped at its next cut. Where the request that starts the pass is one the pool serves
+//   (its slot has no block: it outlives the period, as an input batch made before the last is
+//   released), the plan arms once it is served, so that the pool's memory is measured with it;
+//   the block it replaces (the oldest live one of its token, about a period old) is released
+//   within the pass and is not counted as held.
 // - Serving. A cursor walks the plan's allocations. A request that matches the slot at the
 //   cursor (same rounded size and stream) gets arena + offset if that range is free and safe
 //   now, otherwise the pool serves it: memory is never handed out twice. A mismatch looks
@@ -246,7 +250,8 @@ class PlannedAllocator : public Allocator {
 
   void* allocate_locked(std::size_t size, StreamId stream);
   const Slot* match_plan(std::size_t rounded, StreamId stream, bool* crossed);
-  void boundary();
+  bool boundary(bool arm_now = true);
+  void arm_at_cut();
   bool arm(int variant);
   // Whether the plan's bound is a large enough share of the highest live bytes to arm.
   bool worth_an_arena(const Plan& p) const;
@@ -355,6 +360,7 @@ class PlannedAllocator : public Allocator {
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all
   std::size_t shared_bytes_ = 0;  // given back by share_pages, in all
+  std::size_t replaced_bytes_ = 0;  // see arm(): the block the request arming the plan replaces
 };
 
 }  // namespace pymemplan
