@@ -86,6 +86,10 @@ class Fuzzer {
   };
   static constexpr std::size_t kCarry = 3;  // blocks freed early in the next iteration
   static constexpr std::size_t kKept = std::size_t{1} << 40;  // keys of blocks no program frees
+  // An input batch made before the last one is released (a loader's prefetch): each program
+  // starts by making one under kBatch and freeing the one under kLastBatch; a new iteration
+  // renames kBatch to kLastBatch. It lives a little longer than the iteration.
+  static constexpr std::size_t kBatch = kKept - 1, kLastBatch = kKept - 2;
 
   std::vector<ProgramOp> make_program() {
     // A training-like iteration: allocations mostly freed in reverse order (activations),
@@ -93,6 +97,10 @@ class Fuzzer {
     // the start of the next iteration. Keys kCarry.. are this iteration's; 0..kCarry-1 carry.
     std::vector<ProgramOp> ops;
     const std::size_t n = 8 + rng_() % 56;
+    if (rng_() % 2 == 0) {
+      ops.push_back({true, kBatch, 1 + rng_() % (3 << 20), 0});
+      ops.push_back({false, kLastBatch, 0, 0});
+    }
     for (std::size_t c = 0; c < kCarry; ++c) ops.push_back({false, c, 0, 0});
     std::vector<std::size_t> live;
     std::uniform_real_distribution<double> exp2(9.0, 24.0);  // 512 B .. 16 MiB
@@ -133,6 +141,12 @@ class Fuzzer {
       // The next iteration: the same program mostly; sometimes the other one (alternating
       // shapes), sometimes a mutated one-off (a divergence: other sizes, or two ops swapped).
       ++r_.iterations;
+      if (auto batch = keys_.find(kBatch); batch != keys_.end() && keys_.count(kLastBatch) == 0) {
+        const std::uintptr_t p = batch->second;
+        keys_.erase(batch);
+        keys_[kLastBatch] = p;
+        key_of_[p] = kLastBatch;
+      }
       const auto dice = rng_() % 32;
       if (dice == 0) which_ = 1 - which_;
       current_ = programs_[which_];
