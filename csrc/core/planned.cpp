@@ -339,7 +339,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
       at_cut_ = cut;
       if (first == nullptr || first->planned) {
         arm_at_cut();
-      } else {
+      } else if (!armed_ || variant_ == 1) {  // arming is due (an armed plan's pass goes on)
         arm_after = plans_[active_].id;
       }
     }
