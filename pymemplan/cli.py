@@ -19,13 +19,16 @@ def _replay(args: argparse.Namespace) -> int:
     results = []
     try:
         for path in paths:
-            results.extend(replay(read_trace(path), policies, capacity=args.capacity,
-                                  granularity=args.granularity))
+            trace = read_trace(path)
+            results.extend(r.to_dict() for r in replay(trace, policies, capacity=args.capacity,
+                                                       granularity=args.granularity))
+            if args.offline:
+                results.append(_offline_row(trace, args.granularity))
     except (TraceError, _core.AllocatorError, ValueError, OSError) as e:
         print(f"pymemplan replay: {e}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump([r.to_dict() for r in results], sys.stdout, indent=2)
+        json.dump(results, sys.stdout, indent=2)
         print()
         return 0
     from rich.console import Console
@@ -35,14 +38,39 @@ def _replay(args: argparse.Namespace) -> int:
     for col in ("trace", "policy", "events", "peak live", "peak allocated", "peak reserved",
                 "reserved/live", "device allocs", "device frees", "OOMs", "ns/event"):
         table.add_column(col, justify="left" if col in ("trace", "policy") else "right")
+    def show(value, fmt):
+        return "–" if value is None else fmt(value)
+
     for r in results:
-        table.add_row(r.trace, r.policy, f"{r.events:,}", format_bytes(r.peak_live_bytes),
-                      format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
-                      f"{r.reserved_over_live:.3f}", f"{r.device_allocs:,}",
-                      f"{r.device_frees:,}", str(r.ooms), f"{r.ns_per_event:.0f}")
+        table.add_row(r["trace"], r["policy"], f"{r['events']:,}",
+                      format_bytes(r["peak_live_bytes"]),
+                      show(r["peak_allocated_bytes"], format_bytes),
+                      format_bytes(r["peak_reserved_bytes"]), f"{r['reserved_over_live']:.3f}",
+                      show(r["device_allocs"], "{:,}".format),
+                      show(r["device_frees"], "{:,}".format), show(r["ooms"], str),
+                      show(r["ns_per_event"], "{:.0f}".format))
     # Piped output has no terminal width to fit; keep rows on one line.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
+
+
+def _offline_row(trace, granularity) -> dict:
+    """A row for what an allocator that knew the whole trace would reserve."""
+    from .traces import offline_layout
+
+    layout = offline_layout(trace, granularity, search_rounds=8)
+    live = trace.peak_live_bytes()
+    return {"trace": trace.name, "policy": OFFLINE, "events": len(trace),
+            "peak_live_bytes": live, "peak_allocated_bytes": None,
+            "peak_reserved_bytes": layout.peak_reserved_bytes,
+            "reserved_over_live": layout.peak_reserved_bytes / live if live else 0.0,
+            "device_allocs": None, "device_frees": None, "ooms": None, "ns_per_event": None,
+            "steady_from_event": None, "steady_peak_live_bytes": None,
+            "steady_peak_reserved_bytes": None, "steady_reserved_over_live": None,
+            "arena_bytes": layout.arena_bytes}
+
+
+OFFLINE = "offline (knows the trace)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--capacity", default="80GiB", help="device memory (default 80GiB)")
     rp.add_argument("--granularity", default="2MiB",
                     help="device allocation granularity (default 2MiB)")
+    rp.add_argument("--offline", action="store_true",
+                    help="add a row per trace: the most pages (of --granularity) an allocator "
+                         "that knew the whole trace in advance would hold (every block placed "
+                         "offline), to tell how much of the waste an allocator could avoid")
     rp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rp.set_defaults(func=_replay)
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace

@@ -94,3 +94,21 @@ def test_console_script_and_module_entry_points():
     r = subprocess.run([script, "replay", "--json", str(DATA / "cnn_sgd.csv.gz"), "--policy",
                         "torch"], capture_output=True, text=True, check=True)
     assert json.loads(r.stdout)[0]["policy"] == "torch"
+
+
+def test_replay_offline_row_says_what_knowing_the_trace_would_hold(capsys):
+    rows = run_json(capsys, str(DATA / "gpt2_6l_s512.csv.gz"), "--policy", "torch",
+                    "--policy", "pymemplan-vmm", "--offline")
+    torch_row, vmm, offline = rows
+    assert offline["policy"] == "offline (knows the trace)"
+    assert set(offline) == KEYS | {"arena_bytes"}
+    page = 2 << 20
+    live = offline["peak_live_bytes"]
+    # Whole pages, never below the live bytes in pages; here below both online policies.
+    assert offline["peak_reserved_bytes"] % page == 0
+    assert offline["peak_reserved_bytes"] >= -(-live // page) * page
+    assert offline["peak_reserved_bytes"] < vmm["peak_reserved_bytes"] < torch_row["peak_reserved_bytes"]
+    assert offline["arena_bytes"] >= live and offline["device_allocs"] is None
+    assert main(["replay", str(DATA / "cnn_sgd.csv.gz"), "--policy", "torch", "--offline"]) == 0
+    out = capsys.readouterr().out
+    assert "offline (knows the trace)" in out and "–" in out

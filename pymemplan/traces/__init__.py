@@ -2,6 +2,7 @@
 
     from pymemplan.traces import read_trace, write_csv, record
     trace = read_trace("run.csv.gz")           # RMM / pymemplan CSV or a torch snapshot
+    offline_layout(trace).peak_reserved_bytes  # what knowing the whole trace would hold
     with record() as rec: train_step()         # record a real eager step
     write_csv(rec.trace, "step.csv.gz")
 
@@ -15,9 +16,10 @@ from .rmm_csv import read_rmm_csv, write_csv
 from .snapshot import read_snapshot_pickle
 from .trace import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError
 from .replay import DEFAULT_POLICIES, ReplayResult, replay
+from .offline import OfflineLayout, offline_layout
 
 __all__ = [
     "ALLOC", "ALLOC_FAILURE", "FREE", "RecordingError", "Trace", "TraceError",
-    "DEFAULT_POLICIES", "ReplayResult", "builtin_traces", "replay", "detect_format", "read_rmm_csv", "read_snapshot_pickle",
+    "DEFAULT_POLICIES", "OfflineLayout", "ReplayResult", "builtin_traces", "offline_layout", "replay", "detect_format", "read_rmm_csv", "read_snapshot_pickle",
     "read_trace", "record", "record_step", "write_csv",
 ]
