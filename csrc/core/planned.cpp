@@ -283,6 +283,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("arm_refusals", num(arm_refusals_));
   put("refinements", num(refinements_));
   put("remakes", num(remakes_));
+  put("layouts_kept", num(layouts_kept_));
   put("full_rearms", num(full_rearms_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
   put("marks", num(marks_));
@@ -427,6 +428,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   e.alloc = true;
   const std::uint64_t g = record_event(e);
   if (out == nullptr) pass_failed_ = true;  // its free will not come: the pass is cut short
+  pass_reserved_peak_ = std::max(pass_reserved_peak_, pool_->reserved_bytes());
   if (out != nullptr) {
     live_.emplace(reinterpret_cast<std::uintptr_t>(out), Live{id, g, size});
     live_bytes_ += static_cast<std::int64_t>(size);
@@ -491,6 +493,8 @@ bool PlannedAllocator::boundary(bool arm_now) {
   at_cut_ = false;
   Plan& p = plans_[active_];
   const std::uint64_t n = base_ + events_.size();
+  const std::int64_t pass_peak = pass_reserved_peak_;
+  pass_reserved_peak_ = 0;  // from the next request on (arming may give memory back first)
   const std::uint64_t pass_start = pass_start_;
   pass_start_ = n;
   p.passed_over = pass_skipped_bytes_ * kArmShare > p.bound[0];
@@ -507,7 +511,7 @@ bool PlannedAllocator::boundary(bool arm_now) {
   const std::uint64_t pass = pass_start == kNever ? 0 : n - pass_start;
   const std::uint64_t w = std::min<std::uint64_t>(config_.match_window, pass);
   const bool stale = pass_matches_ > 0 && pass_miss_bytes_ == 0 && !pass_failed_ &&
-                     pass != p.period && pass >= config_.min_period &&
+                     !p.keep_layout && pass != p.period && pass >= config_.min_period &&
                      pass <= config_.max_period && n >= base_ + pass + w &&
                      range_hash(n - w, n) == range_hash(n - pass - w, n - pass);
   const std::size_t unplanned = pass_unplanned_bytes_;
@@ -530,13 +534,44 @@ bool PlannedAllocator::boundary(bool arm_now) {
     ++arm_refusals_;
     return false;
   }
+  // Made again from the pass that just ended (a remake, or a refinement), the plan arms anew
+  // and its layout changes: packed against the holes of now, it may hold more than the one
+  // that served the pass. Where that one served the whole pass, the new layout replaces it
+  // only if it holds no more than that pass did; otherwise the plan stays as it was and is
+  // not made again (its passes still match).
+  auto make_again = [&](std::size_t period) {
+    if (!(arm_now && armed_ && variant_ == 0)) {
+      refine(period);
+      return;
+    }
+    Plan old = p;
+    const std::size_t cursor = cursor_;
+    const bool cut = at_cut_;
+    const std::uint64_t start = pass_start_;
+    refine(period);
+    arm_cap_ = static_cast<std::size_t>(pass_peak);
+    arm_at_cut();
+    arm_cap_ = std::numeric_limits<std::size_t>::max();
+    if (armed_) return;
+    plans_[active_] = std::move(old);
+    Plan& kept = plans_[active_];
+    kept.keep_layout = true;
+    cursor_ = cursor;
+    at_cut_ = cut;
+    pass_start_ = start;
+    // It serves on as it did (the refused arming gave its claims back).
+    armed_ = true;
+    variant_ = 0;
+    if (kept.holes[0]) pool_->claim(kept.claims[0]);
+    ++layouts_kept_;
+  };
   if (stale) {
-    refine(static_cast<std::size_t>(pass));
+    make_again(static_cast<std::size_t>(pass));
     ++remakes_;
-  } else if (armed_ && unplanned * kArmShare > p.bound[0]) {
+  } else if (armed_ && unplanned * kArmShare > p.bound[0] && !p.keep_layout) {
     // Requests whose lifetime was unknown when the plan was made went to the pool; the pass
     // that just ended knows them all: make the plan again from it, and arm it now.
-    refine(p.period);
+    make_again(p.period);
     ++refinements_;
   }
   if (arm_now) arm_at_cut();
@@ -808,9 +843,10 @@ bool PlannedAllocator::arm(int v) {
   // arena) is at most the highest reserved so far (it never raises the peak), or within
   // plan_slack (per mille) of the highest live bytes (it is nearly optimal, if a little above
   // what the pool alone reached so far).
-  const auto limit = std::max(static_cast<std::size_t>(high),
+  // A plan made again while its old layout served is held to what that layout took (arm_cap_).
+  const auto limit = std::min(arm_cap_, std::max(static_cast<std::size_t>(high),
                               static_cast<std::size_t>(static_cast<double>(live_hwm_) *
-                                                       (1.0 + static_cast<double>(config_.plan_slack) / 1000.0)));
+                                                       (1.0 + static_cast<double>(config_.plan_slack) / 1000.0))));
   auto refuse = [&] {
     p.refused_at[v] = high;
     ++arm_refusals_;

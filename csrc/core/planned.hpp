@@ -67,7 +67,9 @@
 //   stretch one pass earlier and no request of the pass failed (its free would be missing).
 //   A block the old plan placed that is still alive keeps its range, and a request the new
 //   layout puts there goes to the pool. After a refinement or a remake, the request that
-//   starts the next pass is served from the plan as made again.
+//   starts the next pass is served from the plan as made again. Where the old layout served
+//   the whole pass, the new one must hold no more than that pass did (packed against the
+//   holes of now, it can hold more): otherwise the old plan serves on, and is not made again.
 // - Several plans, keyed by the signature (hash) of their token sequence from the cut, up to
 //   `max_plans` (least recently used evicted). The first `kPrefix` allocations of each plan
 //   index it: after a mismatch, or while no plan is armed, the last kPrefix requests select the
@@ -239,6 +241,9 @@ class PlannedAllocator : public Allocator {
     // identical layers repeats within itself). Not adopted by its prefix while the active
     // plan matches.
     bool passed_over = false;
+    // Made again from a pass (remake or refinement, boundary()), it would have held more than
+    // its layout did over that pass: it keeps its layout and is not made again.
+    bool keep_layout = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
     std::uint64_t holes_key[2] = {0, 0};    // per variant: holes_key() of its last packing
   };
@@ -339,6 +344,8 @@ class PlannedAllocator : public Allocator {
   std::uint64_t pass_start_ = kNever;     // event index of the pass's first request
   bool pass_failed_ = false;              // a request of the pass could not be served (OOM)
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
+  std::int64_t pass_reserved_peak_ = 0;  // highest reserved over the pass so far
+  std::size_t arm_cap_ = std::numeric_limits<std::size_t>::max();  // see boundary()
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
   std::unordered_map<std::uintptr_t, Live> live_;
@@ -350,6 +357,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0, arm_refusals_ = 0;
   std::uint64_t refinements_ = 0;
   std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
+  std::uint64_t layouts_kept_ = 0;  // plans made again whose new layout held more (boundary())
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
   std::uint64_t busy_arenas_retired_ = 0;  // arenas retired into the pool with live blocks
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
