@@ -731,14 +731,22 @@ def test_a_plan_made_again_keeps_its_layout_where_the_new_one_would_hold_more():
     trace = random_training(18)
     planned = replay(trace, [POLICY])[0]
     assert planned.steady_reserved_over_live < 1.009, planned.steady_reserved_over_live
-    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), POLICY, "")
-    live = {}
-    for a, p, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
-                           trace.stream.tolist()):
+    # The plan kept serves on with its claims taken again: every invariant holds throughout.
+    device = _core.SimulatedDevice(80 << 30)
+    alloc = _core.Allocator(device, POLICY, "")
+    ptr, live = {}, {}
+    for i, (a, p, n, st) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(),
+                                          trace.size.tolist(), trace.stream.tolist())):
         if a == 0:
-            live[p] = alloc.malloc(n, st)
+            q = alloc.malloc(n, st)
+            assert all(q + n <= x or x + live[x] <= q for x in live), "overlapping live blocks"
+            ptr[p], live[q] = q, n
         else:
-            alloc.free(live.pop(p))
+            q = ptr.pop(p)
+            alloc.free(q)
+            del live[q]
+        if i % 10 == 0:
+            check_invariants(alloc, device, live)
     stats = alloc.plan_stats()
     assert stats["remakes"] == 1 and stats["layouts_kept"] == 1
     assert stats["plan_hits"] > 0 and stats["armed"] == 1
