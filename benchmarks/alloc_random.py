@@ -3,7 +3,8 @@
 Each seed draws a training loop (synthetic_traces.random_training: depth, sizes, optimizer,
 how steps vary, prefetching, kept outputs, a second stream) and replays it through every
 policy on a simulated 80 GiB device with 2 MiB pages. Reported: the distribution of peak
-reserved / peak live per policy, and every seed where a policy of ours holds more than
+reserved / peak live per policy (and for a layout made knowing the whole run: what better
+placement could reach), and every seed where a policy of ours holds more than
 PyTorch's allocator, or plan-guided placement more than the virtual-memory pool it runs over
 (a plan must never make memory worse).
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 from synthetic_traces import evaluation_loop, random_training  # noqa: E402
 
-from pymemplan.traces import replay  # noqa: E402
+from pymemplan.traces import offline_layout, replay  # noqa: E402
 
 RESULTS = {"training": HERE / "results" / "alloc_random.json",
            "evaluation": HERE / "results" / "alloc_random_evaluation.json"}
@@ -65,6 +66,8 @@ def main() -> int:
             row[name] = r.reserved_over_live
             if r.steady_peak_live_bytes:
                 row[name + " steady"] = r.steady_peak_reserved_bytes / r.steady_peak_live_bytes
+        # What placing every block knowing the whole run would hold (pymemplan.traces.offline).
+        row["offline"] = offline_layout(trace, search_rounds=4).peak_reserved_bytes / row["peak_live_bytes"]
         runs.append(row)
     seconds = time.perf_counter() - start
 
@@ -76,6 +79,9 @@ def main() -> int:
         x = np.array([r[name] for r in runs])
         summary[name] = {"median": float(np.median(x)), "p95": float(np.percentile(x, 95)),
                          "max": float(x.max()), "within_3pct": int((x <= 1.03).sum())}
+    x = np.array([r["offline"] for r in runs])
+    summary["offline"] = {"median": float(np.median(x)), "p95": float(np.percentile(x, 95)),
+                          "max": float(x.max()), "within_3pct": int((x <= 1.03).sum())}
     steady = [r["pymemplan-planned steady"] for r in runs if "pymemplan-planned steady" in r]
     summary["pymemplan-planned steady"] = {
         "runs_with_a_plan": len(steady),
@@ -100,9 +106,10 @@ def main() -> int:
 
     print(f"{args.seeds} random {args.loops} loops in {seconds:.0f} s; peak reserved / peak live:")
     print(f"  {'policy':30s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
-    for name in POLICIES:
+    for name in (*POLICIES, "offline"):
         s = summary[name]
-        print(f"  {name:30s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
+        label = "offline (knows the run)" if name == "offline" else name
+        print(f"  {label:30s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
     s = summary["pymemplan-planned steady"]
     if steady:
         print(f"  pymemplan-planned, steady state: median {s['median']:.4f}, within 1% on "
