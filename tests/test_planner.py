@@ -332,6 +332,10 @@ def test_reserved_peak_replays_the_predicted_step_through_allocator_policies():
     assert t.reserved_peak("pymemplan-vmm") <= torch_peak
     assert t.peak_bytes <= t.reserved_peak("nocache") <= t.peak_bytes * 1.01
     assert t.reserved_peak("torch", iterations=1) <= torch_peak
+    # Knowing the whole run: the live peak in whole pages, at most what the pools reserve.
+    offline = t.reserved_peak("offline")
+    assert offline % (2 << 20) == 0
+    assert -(-t.peak_bytes // (2 << 20)) * (2 << 20) <= offline <= t.reserved_peak("pymemplan-vmm")
     with pytest.raises(ValueError, match="does not fit"):
         t.reserved_peak("torch", capacity="64MiB")
     with pytest.raises(ValueError, match="unknown allocator policy"):

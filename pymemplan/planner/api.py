@@ -293,15 +293,22 @@ class MemoryTrace:
         ``policy``: "torch" (PyTorch's native caching allocator),
         "torch=expandable_segments:True" (with PYTORCH_CUDA_ALLOC_CONF's expandable
         segments), "pymemplan", "pymemplan-vmm", "nocache", or "name=key:value,..." as for
-        ``pymemplan replay``. The run's first step makes the optimizer's state where its
+        ``pymemplan replay``; or "offline": the most pages of ``granularity`` held by an
+        allocator that knew the whole run in advance (``pymemplan.traces.offline_layout``),
+        the least reserved memory any allocator mapping such pages can hope for, within the
+        precision of the packer. The run's first step makes the optimizer's state where its
         first ``step()`` makes it (``graph.first_optimizer_step``).
         This is the number that decides whether a run hits OOM; compare it with
         ``peak_bytes``, the live tensor bytes no allocator can go below.
         """
+        from ..traces.offline import offline_layout
         from ..traces.replay import replay
 
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations must be a positive integer, not {iterations!r}")
+        if policy == "offline":
+            return offline_layout(self._repeated_trace(iterations), granularity,
+                                  search_rounds=8).peak_reserved_bytes
         (result,) = replay(self._repeated_trace(iterations), [policy], capacity=capacity,
                            granularity=granularity)
         if result.ooms:
