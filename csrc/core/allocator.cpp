@@ -587,6 +587,7 @@ Block* CachingAllocator::new_segment(Pool& pool, std::size_t bytes, StreamId str
   Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, pool.small, false);
   reserved_ += static_cast<std::int64_t>(bytes);
   reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  window_hwm_ = std::max(window_hwm_, reserved_);
   grow_mark_ = std::max(grow_mark_, reserved_);
   update_stat(&Stats::reserved_bytes, pool.small, static_cast<std::int64_t>(bytes));
   if (bytes >= config_.max_split_size) stats_.oversize_segments.increase(1);
@@ -983,6 +984,7 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
       mapped_now.push_back(i);
       reserved_ += static_cast<std::int64_t>(page);
       reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+      window_hwm_ = std::max(window_hwm_, reserved_);
       grow_mark_ = std::max(grow_mark_, reserved_);
       update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
       // An expandable segment maps whole chunks, each one cuMemCreate + cuMemMap in torch.
@@ -1722,6 +1724,13 @@ void CachingAllocator::set_grow_mark(std::size_t bytes) {
 std::int64_t CachingAllocator::reserved_high_water() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return reserved_hwm_;
+}
+
+std::int64_t CachingAllocator::take_window_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::int64_t peak = window_hwm_;
+  window_hwm_ = reserved_;
+  return peak;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -153,6 +153,8 @@ class CachingAllocator : public Allocator {
   void set_grow_mark(std::size_t bytes);
   // The highest reserved so far (never reset, unlike the peak stat).
   std::int64_t reserved_high_water() const;
+  // The highest reserved since the last call (which starts the next window at reserved now).
+  std::int64_t take_window_peak();
 
  private:
   struct Pool {
@@ -294,6 +296,7 @@ class CachingAllocator : public Allocator {
   std::size_t limit_ = 0;  // 0: none
   std::int64_t reserved_ = 0;
   std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
+  std::int64_t window_hwm_ = 0;    // highest reserved since take_window_peak()
   std::int64_t grow_mark_ = 0;     // see set_grow_mark: reserved_hwm_ unless lowered
   Stats stats_;
   std::string last_error_;  // of any thread; last_error() prefers the calling thread's own

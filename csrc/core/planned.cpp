@@ -428,7 +428,6 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   e.alloc = true;
   const std::uint64_t g = record_event(e);
   if (out == nullptr) pass_failed_ = true;  // its free will not come: the pass is cut short
-  pass_reserved_peak_ = std::max(pass_reserved_peak_, pool_->reserved_bytes());
   if (out != nullptr) {
     live_.emplace(reinterpret_cast<std::uintptr_t>(out), Live{id, g, size});
     live_bytes_ += static_cast<std::int64_t>(size);
@@ -493,8 +492,7 @@ bool PlannedAllocator::boundary(bool arm_now) {
   at_cut_ = false;
   Plan& p = plans_[active_];
   const std::uint64_t n = base_ + events_.size();
-  const std::int64_t pass_peak = pass_reserved_peak_;
-  pass_reserved_peak_ = 0;  // from the next request on (arming may give memory back first)
+  const std::int64_t pass_peak = pool_->take_window_peak();
   const std::uint64_t pass_start = pass_start_;
   pass_start_ = n;
   p.passed_over = pass_skipped_bytes_ * kArmShare > p.bound[0];
@@ -563,6 +561,7 @@ bool PlannedAllocator::boundary(bool arm_now) {
     armed_ = true;
     variant_ = 0;
     if (kept.holes[0]) pool_->claim(kept.claims[0]);
+    pool_->take_window_peak();  // the refused arming gave pages back
     ++layouts_kept_;
   };
   if (stale) {
@@ -947,6 +946,7 @@ bool PlannedAllocator::arm(int v) {
   armed_ = true;
   variant_ = v;
   ++arms_;
+  pool_->take_window_peak();  // the pass it serves is measured from what it holds now
   return true;
 }
 
