@@ -9,8 +9,12 @@ stats), the median step time, and the ratios to native. Beside the native runs i
 the planner's predictions for the same step, made without the GPU: the peak of live bytes
 (``pymemplan.trace(..., device="cuda").peak_bytes``) against the peak allocated, and the
 reserved peak (``reserved_peak("torch")``, ``reserved_peak("torch=expandable_segments:True")``)
-against the peak reserved. Writes benchmarks/results/gpu_check.json. Sized to finish in under
-8 minutes on one H100/H200.
+against the peak reserved. It also records each model's run under PyTorch's allocator
+(building it and three steps, then one step alone) and reports, beside each mode's measured
+peak, what the replay engine's model of that allocator reserves on the recorded run, and how
+closely the planner's predicted step follows the recorded step's allocations, in order
+(``allocation_match``: whether a plan made from the prediction could serve the first steps).
+Writes benchmarks/results/gpu_check.json. Sized to finish in about 8 minutes on one H100/H200.
 
     python benchmarks/gpu_check.py --predict-only   # the predictions alone; no GPU needed
 """
@@ -36,34 +40,56 @@ MODES = {
                           "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
 }
 
-WORKER = textwrap.dedent("""
+# The training step both workers run; DEVICE and SMALL (a dry run: small shapes) come from
+# the environment, so that the workers can be tried on a CPU.
+SETUP = textwrap.dedent("""
     import json, os, sys, time
     import pymemplan  # enables itself when PYMEMPLAN_ENABLE=1
     import torch, torch.nn.functional as F
-    model_name, steps = sys.argv[1], int(sys.argv[2])
+    DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+    SMALL = os.environ.get("GPU_CHECK_SMALL") == "1"
+    model_name = sys.argv[1]
     torch.manual_seed(0)
-    if model_name == "resnet50":
-        import torchvision
-        model = torchvision.models.resnet50().cuda()
-        def batch():
-            return torch.randn(64, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (64,), device="cuda")
-        def loss_of(x, y):
-            return F.cross_entropy(model(x), y)
-    else:
-        from transformers import GPT2Config, GPT2LMHeadModel
-        model = GPT2LMHeadModel(GPT2Config()).cuda()
-        def batch():
-            ids = torch.randint(0, 50257, (8, 1024), device="cuda")
-            return ids, ids
-        def loss_of(x, y):
-            return model(input_ids=x, labels=y).loss
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def build():
+        if model_name == "resnet50":
+            import torchvision
+            model = torchvision.models.resnet50().to(DEVICE)
+            n, side = (4, 64) if SMALL else (64, 224)
+            def batch():
+                return (torch.randn(n, 3, side, side, device=DEVICE),
+                        torch.randint(0, 1000, (n,), device=DEVICE))
+            def loss_of(x, y):
+                return F.cross_entropy(model(x), y)
+        else:
+            from transformers import GPT2Config, GPT2LMHeadModel
+            config = GPT2Config(n_layer=2) if SMALL else GPT2Config()
+            model = GPT2LMHeadModel(config).to(DEVICE)
+            n, seq = (2, 128) if SMALL else (8, 1024)
+            def batch():
+                ids = torch.randint(0, 50257, (n, seq), device=DEVICE)
+                return ids, ids
+            def loss_of(x, y):
+                return model(input_ids=x, labels=y).loss
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        def step():
+            x, y = batch()
+            loss_of(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        return step
+
+    def sync():
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
+""")
+
+WORKER = SETUP + textwrap.dedent("""
+    steps = int(sys.argv[2])
+    step = build()
     times = []
     for _ in range(steps):
-        x, y = batch()
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        loss_of(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+        sync(); t0 = time.perf_counter()
+        step()
+        sync(); times.append(time.perf_counter() - t0)
     if pymemplan.is_enabled():
         stats = pymemplan.memory_stats()
     else:
@@ -75,6 +101,21 @@ WORKER = textwrap.dedent("""
         "num_device_alloc": stats.get("num_device_alloc"),
         "median_step_s": times[len(times) // 2],
     }))
+""")
+
+# Records the run under PyTorch's own allocator: building the model and three steps (the
+# benchmark traces' shape), then one more step alone, to set beside the planner's step.
+RECORDER = SETUP + textwrap.dedent("""
+    from pymemplan.traces import record, write_csv
+    out = sys.argv[2]
+    with record(device=DEVICE, name=model_name) as run:
+        step = build()
+        for _ in range(3):
+            step()
+    with record(device=DEVICE, name=model_name + "_step") as one:
+        step()
+    write_csv(run.trace, os.path.join(out, "run.csv.gz"))
+    write_csv(one.trace, os.path.join(out, "step.csv.gz"))
 """)
 
 
@@ -112,8 +153,9 @@ def _step_on_meta(model_name):
 PREDICTED_POLICY = {"native": "torch", "native_expandable": "torch=expandable_segments:True"}
 
 
-def predictions(model_name) -> dict:
-    """The planner's figures for the worker's step (Adam), made on the CPU."""
+def predictions(model_name, with_trace=False) -> dict:
+    """The planner's figures for the worker's step (Adam), made on the CPU (and the step's
+    predicted allocation trace, with_trace)."""
     import torch
 
     import pymemplan
@@ -121,8 +163,59 @@ def predictions(model_name) -> dict:
     model, inputs, loss_fn = _step_on_meta(model_name)
     t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.Adam,
                         device="cuda")
-    return {"peak_allocated_bytes": t.peak_bytes,
-            **{mode: t.reserved_peak(policy) for mode, policy in PREDICTED_POLICY.items()}}
+    out = {"peak_allocated_bytes": t.peak_bytes,
+           **{mode: t.reserved_peak(policy) for mode, policy in PREDICTED_POLICY.items()}}
+    if with_trace:
+        out["trace"] = t.allocation_trace()
+    return out
+
+
+# Each mode's allocator, as the replay engine models it.
+REPLAYED_POLICY = {"native": "torch", "native_expandable": "torch=expandable_segments:True",
+                   "pymemplan": "pymemplan", "pymemplan_vmm": "pymemplan-vmm",
+                   "pymemplan_planned": "pymemplan-planned"}
+# Requests in a row that a plan needs to recognise where it is (planned.hpp: kPrefix).
+RUN = 8
+
+
+def allocation_match(predicted, recorded) -> dict:
+    """How closely a predicted step's allocations follow a recorded one's, in order, by size
+    (rounded to 512 bytes, as the allocators do): difflib's ratio (1.0: the same sequence),
+    and the share of the recorded allocations that lie in runs of at least RUN requests
+    matched in order, which a plan made from the prediction could follow."""
+    import difflib
+
+    import numpy as np
+
+    def sizes(t):
+        allocs = np.asarray(t.size)[np.asarray(t.action) == 0]
+        return [int(-(-x // 512) * 512) for x in allocs]
+
+    p, r = sizes(predicted), sizes(recorded)
+    m = difflib.SequenceMatcher(a=r, b=p, autojunk=False)
+    runs = [b.size for b in m.get_matching_blocks() if b.size >= RUN]
+    return {"recorded_allocations": len(r), "predicted_allocations": len(p),
+            "ratio": m.ratio(), "in_runs": sum(runs) / len(r) if r else 1.0,
+            "longest_run": max((b.size for b in m.get_matching_blocks()), default=0)}
+
+
+def recorded_checks(model_name, predicted_step, env=None) -> dict:
+    """Records the run under PyTorch's allocator, replays it through each mode's model, and
+    sets the planner's step beside the recorded one."""
+    import tempfile
+
+    from pymemplan.traces import read_trace, replay
+
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-c", RECORDER, model_name, out], check=True,
+                       capture_output=True, text=True, timeout=300, env=env)
+        run = read_trace(os.path.join(out, "run.csv.gz"))
+        step = read_trace(os.path.join(out, "step.csv.gz"))
+    replayed = {r.policy: r.peak_reserved_bytes for r in replay(run, list(REPLAYED_POLICY.values()))}
+    return {"events": len(run), "peak_live_bytes": run.peak_live_bytes(),
+            "replayed_peak_reserved_bytes": {mode: replayed[policy]
+                                             for mode, policy in REPLAYED_POLICY.items()},
+            "prediction_match": allocation_match(predicted_step, step)}
 
 
 def main() -> int:
@@ -138,9 +231,14 @@ def main() -> int:
         return 2
     tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
                             str(HERE.parent / "tests")], timeout=300)
-    rows = []
+    rows, recorded = [], {}
     for model in ("resnet50", "gpt2"):
-        predicted = predictions(model)
+        predicted = predictions(model, with_trace=True)
+        try:
+            recorded[model] = recorded_checks(model, predicted["trace"])
+        except (subprocess.SubprocessError, OSError, ValueError) as e:
+            recorded[model] = {"error": str(e)[-2000:] + (getattr(e, "stderr", None) or "")[-2000:]}
+        print(f"{model:9s} recorded: {json.dumps(recorded[model])[:400]}", flush=True)
         for mode, env in MODES.items():
             r = subprocess.run([sys.executable, "-c", WORKER, model, "20"], capture_output=True,
                                text=True, timeout=240, env={**os.environ, **env})
@@ -149,6 +247,10 @@ def main() -> int:
                 print(f"{model:9s} {mode:18s} FAILED\n{r.stderr[-2000:]}", flush=True)
                 continue
             row = {"model": model, "mode": mode, **json.loads(r.stdout.strip().splitlines()[-1])}
+            replayed = recorded[model].get("replayed_peak_reserved_bytes", {})
+            if mode in replayed:
+                # The replay engine's model of this allocator on the recorded run (3 steps).
+                row["replayed_peak_reserved_bytes"] = replayed[mode]
             if mode in PREDICTED_POLICY:
                 row["predicted_peak_allocated_bytes"] = predicted["peak_allocated_bytes"]
                 row["predicted_peak_reserved_bytes"] = predicted[mode]
@@ -168,7 +270,7 @@ def main() -> int:
     RESULT.write_text(json.dumps({"device": torch.cuda.get_device_name(0),
                                   "torch": torch.__version__,
                                   "gpu_tests_exit_code": tests.returncode,
-                                  "runs": rows}, indent=2) + "\n")
+                                  "runs": rows, "recorded": recorded}, indent=2) + "\n")
     print(f"-> {RESULT}")
     return 0 if tests.returncode == 0 and all("error" not in r for r in rows) else 1
 

@@ -1,0 +1,42 @@
+"""The CPU-side helpers of benchmarks/gpu_check.py (the GPU run itself needs a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pymemplan.traces import ALLOC, FREE, Trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpu_check import RUN, allocation_match  # noqa: E402
+
+
+def step(sizes):
+    ev = []
+    for i, s in enumerate(sizes):
+        ev += [(ALLOC, i + 1, s, 0, 0.0), (FREE, i + 1, s, 0, 0.0)]
+    return Trace.from_events(ev)
+
+
+def test_the_same_sequence_matches_whole():
+    sizes = [1000 * (i % 7 + 1) for i in range(50)]
+    m = allocation_match(step(sizes), step(sizes))
+    assert m["ratio"] == 1.0 and m["in_runs"] == 1.0 and m["longest_run"] == 50
+    assert m["recorded_allocations"] == m["predicted_allocations"] == 50
+
+
+def test_extra_requests_break_runs_and_sizes_compare_rounded():
+    sizes = [4096 * (i + 1) for i in range(40)]
+    # The recorded step has a small workspace every 5 requests; sizes that round to the same
+    # 512 bytes are the same request.
+    recorded = []
+    for i, s in enumerate(sizes):
+        recorded.append(s + 100)
+        if i % 5 == 4:
+            recorded.append(512)
+    m = allocation_match(step([s + 50 for s in sizes]), step(recorded))
+    assert m["recorded_allocations"] == 48
+    assert m["longest_run"] == 5 < RUN
+    assert m["in_runs"] == 0.0  # no run long enough for a plan to follow
+    assert 0.8 < m["ratio"] < 1.0
+    assert allocation_match(step([512] * 10), step([10 ** 6] * 10))["ratio"] == 0.0
