@@ -72,10 +72,9 @@ SETUP = textwrap.dedent("""
             def loss_of(x, y):
                 return model(input_ids=x, labels=y).loss
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        def step():
-            x, y = batch()
+        def train(x, y):
             loss_of(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-        return step
+        return batch, train
 
     def sync():
         if DEVICE != "cpu":
@@ -84,13 +83,16 @@ SETUP = textwrap.dedent("""
 
 WORKER = SETUP + textwrap.dedent("""
     steps = int(sys.argv[2])
-    step = build()
+    batch, train = build()
     times = []
     for _ in range(steps):
+        x, y = batch()
         sync(); t0 = time.perf_counter()
-        step()
+        train(x, y)
         sync(); times.append(time.perf_counter() - t0)
-    if pymemplan.is_enabled():
+    if DEVICE == "cpu":  # a dry run: no CUDA allocator to ask
+        stats = {"reserved_bytes.all.peak": None, "allocated_bytes.all.peak": None}
+    elif pymemplan.is_enabled():
         stats = pymemplan.memory_stats()
     else:
         stats = torch.cuda.memory_stats()
@@ -109,11 +111,11 @@ RECORDER = SETUP + textwrap.dedent("""
     from pymemplan.traces import record, write_csv
     out = sys.argv[2]
     with record(device=DEVICE, name=model_name) as run:
-        step = build()
+        batch, train = build()
         for _ in range(3):
-            step()
+            train(*batch())
     with record(device=DEVICE, name=model_name + "_step") as one:
-        step()
+        train(*batch())
     write_csv(run.trace, os.path.join(out, "run.csv.gz"))
     write_csv(one.trace, os.path.join(out, "step.csv.gz"))
 """)
