@@ -83,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
                     "replays the traces shipped with pymemplan.")
     rp.add_argument("traces", nargs="*", metavar="TRACE")
     rp.add_argument("--policy", action="append", metavar="NAME[=CONFIG]",
-                    help="pymemplan, torch or nocache, optionally with a config string in the "
+                    help="pymemplan, pymemplan-vmm, pymemplan-planned, torch or nocache, optionally "
+                         "with a config string in the "
                          "style of PYTORCH_CUDA_ALLOC_CONF, e.g. "
                          "'torch=max_split_size_mb:256'; repeat to compare "
-                         "(default: pymemplan, torch, nocache)")
+                         "(default: pymemplan, pymemplan-vmm, torch, nocache)")
     rp.add_argument("--capacity", default="80GiB", help="device memory (default 80GiB)")
     rp.add_argument("--granularity", default="2MiB",
                     help="device allocation granularity (default 2MiB)")

@@ -28,7 +28,7 @@ def run_json(capsys, *argv):
 
 def test_replay_builtin_traces_with_every_default_policy(capsys):
     rows = run_json(capsys)
-    assert len(rows) == 3 * len(builtin_traces())
+    assert len(rows) == 4 * len(builtin_traces())
     for r in rows:
         assert set(r) == KEYS
         assert r["peak_reserved_bytes"] >= r["peak_allocated_bytes"] >= r["peak_live_bytes"] > 0

@@ -8,7 +8,7 @@ from .. import _core
 from ..units import parse_bytes
 from .trace import Trace
 
-DEFAULT_POLICIES = ("pymemplan", "torch", "nocache")
+DEFAULT_POLICIES = ("pymemplan", "pymemplan-vmm", "torch", "nocache")
 
 
 @dataclass
