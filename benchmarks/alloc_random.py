@@ -67,7 +67,7 @@ def main() -> int:
             if r.steady_peak_live_bytes:
                 row[name + " steady"] = r.steady_peak_reserved_bytes / r.steady_peak_live_bytes
         # What placing every block knowing the whole run would hold (pymemplan.traces.offline).
-        row["offline"] = offline_layout(trace, search_rounds=4).peak_reserved_bytes / row["peak_live_bytes"]
+        row["offline"] = offline_layout(trace).peak_reserved_bytes / row["peak_live_bytes"]
         runs.append(row)
     seconds = time.perf_counter() - start
 

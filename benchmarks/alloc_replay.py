@@ -631,10 +631,10 @@ def main() -> int:
     offline = {}
     for name, trace in traces.items():
         first = by[(name, policies[0])]
-        whole = offline_layout(trace, PAGE, search_rounds=8).peak_reserved_bytes
+        whole = offline_layout(trace, PAGE).peak_reserved_bytes
         steady_from = first["steady_from_event"]
         steady = None if steady_from is None else offline_layout(
-            trace, PAGE, search_rounds=8, from_event=steady_from).peak_reserved_bytes
+            trace, PAGE, from_event=steady_from).peak_reserved_bytes
         offline[name] = (whole / first["peak_live_bytes"],
                          None if steady is None else steady / first["steady_peak_live_bytes"])
 

@@ -54,11 +54,14 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+OFFLINE = "offline (knows the trace)"
+
+
 def _offline_row(trace, granularity) -> dict:
     """A row for what an allocator that knew the whole trace would reserve."""
     from .traces import offline_layout
 
-    layout = offline_layout(trace, granularity, search_rounds=8)
+    layout = offline_layout(trace, granularity)
     live = trace.peak_live_bytes()
     return {"trace": trace.name, "policy": OFFLINE, "events": len(trace),
             "peak_live_bytes": live, "peak_allocated_bytes": None,
@@ -68,9 +71,6 @@ def _offline_row(trace, granularity) -> dict:
             "steady_from_event": None, "steady_peak_live_bytes": None,
             "steady_peak_reserved_bytes": None, "steady_reserved_over_live": None,
             "arena_bytes": layout.arena_bytes}
-
-
-OFFLINE = "offline (knows the trace)"
 
 
 def main(argv: list[str] | None = None) -> int:

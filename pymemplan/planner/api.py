@@ -307,8 +307,8 @@ class MemoryTrace:
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"iterations must be a positive integer, not {iterations!r}")
         if policy == "offline":
-            return offline_layout(self._repeated_trace(iterations), granularity,
-                                  search_rounds=8).peak_reserved_bytes
+            return offline_layout(self._repeated_trace(iterations),
+                                  granularity).peak_reserved_bytes
         (result,) = replay(self._repeated_trace(iterations), [policy], capacity=capacity,
                            granularity=granularity)
         if result.ooms:

@@ -41,7 +41,7 @@ class OfflineLayout:
         return int(self.reserved_after_event.max()) if len(self.reserved_after_event) else 0
 
 
-def offline_layout(trace: Trace, granularity="2MiB", search_rounds: int = 2,
+def offline_layout(trace: Trace, granularity="2MiB", search_rounds: int = 8,
                    from_event: int = 0) -> OfflineLayout:
     """Pack the blocks of `trace` knowing all lifetimes, and count the pages of
     `granularity` bytes its live blocks touch after each event.
@@ -49,6 +49,9 @@ def offline_layout(trace: Trace, granularity="2MiB", search_rounds: int = 2,
     With `from_event` > 0, only the events from that one on are laid out (a steady state):
     blocks made earlier and still alive then are placed as if made at that event, as an
     allocator that knew the trace could have placed them for it.
+
+    `search_rounds`: randomized packer runs after its three deterministic ones (packing.hpp);
+    eight take gpt2_6l_generate from 1.032 to 1.017 of live, more changed no recorded trace.
 
     Raises TraceError (from `Trace.validate`) for a trace that is not replayable, ValueError
     for a granularity that is not a positive multiple of 512 bytes or an event out of range."""
