@@ -913,13 +913,13 @@ def make_evaluation(seed, layers=12, scale=2.0):
 @pytest.mark.parametrize("every", [4, 8])
 def test_an_evaluation_every_few_steps_keeps_the_plan_of_the_training_step(every):
     """Training with an evaluation step every few steps, as most loops do. The evaluation
-    diverges from the plan of the training step, and the step after it is recognised by its
-    first requests: the plan arms mid-iteration with a layout that leaves those to the pool.
-    Before, blocks an earlier plan had placed were still alive in the arena: they took the
-    ranges of later blocks (slots busy, served by the pool), and the plan held as much as the
-    pool alone (1.0119 of the peak of live bytes, with every 4 and 8). Now the arena of a plan
-    left with live blocks goes to the pool, the next plan arms in a fresh range, and it arms
-    with its whole layout at its cut: 1.0058."""
+    diverges from the plan of the training step, which is back in step from the first request
+    of the step after it and arms again at its cut. Once, blocks an earlier plan had placed
+    were still alive in the arena: they took the ranges of later blocks (slots busy, served by
+    the pool), and the plan held as much as the pool alone (1.0119 of the peak of live bytes,
+    with every 4 and 8); then the step's plan was replaced after each evaluation by one
+    spanning it (made again, four plans built, a busy arena retired): 1.0058. Now the step's
+    plan stays: 1.0058 with two plans, the step's and, once it repeats, the whole cycle's."""
     peak, runs = {}, {}
     for policy in (POLICY, "pymemplan-vmm"):
         r = runs[policy] = Runner(policy=policy)
@@ -933,7 +933,7 @@ def test_an_evaluation_every_few_steps_keeps_the_plan_of_the_training_step(every
         check_invariants(r.alloc, r.device, r.live)
     assert peak[POLICY] <= 1.01 and peak[POLICY] < peak["pymemplan-vmm"], peak
     ps = runs[POLICY].plan()
-    assert ps["slot_busy"] == 0 and ps["busy_arenas_retired"] >= 1 and ps["full_rearms"] >= 1, ps
+    assert ps["slot_busy"] == 0 and ps["plans_built"] <= 2 and ps["remakes"] == 0, ps
 
 
 def test_shrinking_workload_gives_memory_back():
@@ -1146,6 +1146,40 @@ def test_random_loops_with_an_evaluation_every_few_steps_cost_at_most_the_plan_s
     assert planned <= max(vmm, 1.01 * live) + 4 * MiB, (seed, vmm / live, planned / live)
 
 
+def test_a_plan_back_in_step_after_an_evaluation_is_not_replaced_by_one_spanning_it():
+    """Evaluation loop 554 (benchmarks/synthetic_traces.py): 15 layers, an evaluation every 8
+    steps. After the first evaluation the training plan is back in step from its first
+    requests, but detection, woken by the divergence, found a "period" from the end of the
+    step before the evaluation to the same point of the step after it: it spans the
+    evaluation, which had happened once. That plan replaced the training plan, diverged at
+    once, and the pool served a step around its retired arena: 180 MiB against 172 for the
+    pool alone. A validated plan back in step from its start stops detection."""
+    import sys
+
+    from pymemplan import _core
+    from pymemplan.traces import replay
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from synthetic_traces import evaluation_loop
+
+    trace = evaluation_loop(554)
+    planned, vmm = replay(trace, [POLICY, "pymemplan-vmm"])
+    assert planned.peak_reserved_bytes <= vmm.peak_reserved_bytes, (
+        planned.reserved_over_live, vmm.reserved_over_live)
+    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), POLICY, "")
+    ptr = {}
+    for a, p, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+                           trace.stream.tolist()):
+        if a == 0:
+            ptr[p] = alloc.malloc(n, st)
+        else:
+            alloc.free(ptr.pop(p))
+    stats = alloc.plan_stats()
+    # The step's plan, then the whole cycle's (7 steps and the evaluation) once it repeats.
+    assert stats["plans_built"] == 2 and stats["remakes"] == 0, stats
+    assert stats["busy_arenas_retired"] == 0, stats
+
+
 def test_threads_share_one_allocator():
     """The allocator releases the GIL in malloc/free: threads running their own loops hit its
     one mutex concurrently; the state stays consistent."""
@@ -1261,7 +1295,7 @@ def test_planned_policy_over_the_fake_driver_with_faults():
     """, policy=POLICY, config="oom_action:null,min_period:8,match_window:8")
 
 
-@pytest.mark.parametrize("seed,streams,limit", [(11, 1, 0), (12, 3, 0), (13, 3, 1 << 30),
+@pytest.mark.parametrize("seed,streams,limit", [(15, 1, 0), (12, 3, 0), (13, 3, 1 << 30),
                                                 (14, 3, 64 << 20)])
 def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams, limit):
     """The C++ fuzzer's periodic mode: training-like programs with divergences, alternating

@@ -376,6 +376,14 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
       if (armed_ && pass_miss_bytes_ * kDisarmShare > plans_[active_].bound[0]) disarm();
     } else {
       ++pass_matches_;
+      if (ever_diverged_ && cursor_ == kPrefix && plans_[active_].validated &&
+          recent_prefix_hash() == plans_[active_].prefix) {
+        // Back in step from its start after a divergence (an evaluation pass, a shape that
+        // came and went): the plan describes the stream again, so detection stops. Left on,
+        // it would find a "period" spanning the divergence and the plan's first requests,
+        // which happened once, and replace the plan with it.
+        ever_diverged_ = false;
+      }
     }
   }
   if ((slot == nullptr || !armed_) && allocs_ >= kPrefix) {
