@@ -215,9 +215,25 @@ def test_torch_expandable_segments_fail_cleanly_when_the_device_is_full():
 
 def test_ours_segment_sizes():
     _, a = make("pymemplan")
-    a.malloc(3 * MiB + 100)  # requests in (1, 10) MiB share 48 MiB segments
+    a.malloc(3 * MiB + 100)  # requests in (1, 10) MiB share segments: 20 MiB while small,
     a.malloc(9 * MiB)
-    assert segments(a) == [(48 * MiB, "large")]
+    assert segments(a) == [(20 * MiB, "large")]
+    _, a = make("pymemplan", capacity=8 << 30)
+    big = a.malloc(1200 * MiB)
+    p = a.malloc(3 * MiB)  # then 1/32 of the most the pool has held, in 2 MiB pages
+    assert sorted(segments(a)) == [(38 * MiB, "large"), (1200 * MiB, "large")]
+    a.free(big)
+    a.free(p)
+    a.empty_cache()
+    a.malloc(3 * MiB)  # the highest reserved (1238 MiB) sizes it, not what is reserved now
+    assert segments(a) == [(40 * MiB, "large")]
+    _, a = make("pymemplan", capacity=8 << 30)
+    a.malloc(4000 * MiB)
+    a.malloc(3 * MiB)  # up to medium_segment_mb (48 by default)
+    assert sorted(segments(a)) == [(48 * MiB, "large"), (4000 * MiB, "large")]
+    _, a = make("pymemplan", "medium_segment_mb:16")
+    a.malloc(3 * MiB)  # below torch's 20 MiB if asked
+    assert segments(a) == [(16 * MiB, "large")]
     _, a = make("pymemplan", "medium_segment_mb:0")
     a.malloc(3 * MiB + 100)  # or get their own, rounded to the 2 MiB granularity
     assert segments(a) == [(4 * MiB, "large")]
@@ -491,8 +507,8 @@ def test_stats_have_torch_keys_and_meanings_and_peaks_reset():
     assert st["allocated_bytes.large_pool.freed"] == 5 * MiB
     assert st["requested_bytes.small_pool.current"] == 100
     assert st["allocation.all.allocated"] == 2 and st["allocation.all.current"] == 1
-    # a 2 MiB small segment, and a 48 MiB one shared by requests in (1, 10) MiB
-    assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 2 * MiB + 48 * MiB
+    # a 2 MiB small segment, and a 20 MiB one shared by requests in (1, 10) MiB
+    assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 2 * MiB + 20 * MiB
     assert st["inactive_split_bytes.small_pool.current"] == 2 * MiB - 512
     assert st["max_split_size"] == -1
     a.reset_peak_stats()
@@ -563,5 +579,5 @@ def test_snapshot_is_read_by_torch_memory_viz():
     a.free(ps[1])
     snap = a.snapshot()
     summary = _memory_viz.segsum(snap)
-    assert "segments: 2" in summary and "total_reserved: 50.0MiB" in summary
+    assert "segments: 3" in summary and "total_reserved: 42.0MiB" in summary
     assert "<html" in _memory_viz.segment_plot(snap).lower()

@@ -23,7 +23,7 @@ constexpr KeyInfo kKeys[] = {
     {"roundup_power2_divisions", "0 or a power of two between 1 and 64", false},
     {"release_before_grow", "True or False", true},
     {"cross_stream_reuse", "True or False", true},
-    {"medium_segment_mb", "an integer >= 0 (MiB; 0: exact-size segments)", true},
+    {"medium_segment_mb", "an integer >= 0 (MiB; the largest medium segment; 0: exact-size segments)", true},
     {"vmm", "True or False", true},
     {"vmm_segment_mb", "an integer >= 2 (MiB)", true},
     {"expandable_segments", "True or False", false, true},
