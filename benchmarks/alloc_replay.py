@@ -17,7 +17,8 @@ made before recording, on a copy of the model on the meta device). `unet_b6`, `t
 `convnext_t_b4` and `gpt2_4l_bf16` (under bf16 autocast) are architectures and a precision the
 policies had not met before they were recorded; so are `gpt2_6l_generate` (inference with a
 growing key/value cache), `llama_4l_lora` (a few projections of a frozen decoder trained) and
-`vit_varbatch` (batches of varying size). Each verdict carries the page floor: the peak
+`vit_varbatch` (batches of varying size); `gpt2_4l_eval` and `resnet18_eval` validate every
+third step at twice the batch, as training loops do. Each verdict carries the page floor: the peak
 live bytes rounded up to whole 2 MiB pages, below which no allocator can go.
 Writes benchmarks/results/alloc_replay.json.
 """
@@ -433,6 +434,28 @@ def workloads():
                 opt.zero_grad(set_to_none=True)
         return run
 
+    def evaluating(make_step, train_batch, eval_batch, every, cycles):
+        # Training with a validation pass every `every` steps, as most loops do: model.eval(),
+        # the loss of a batch `eval_batch` large under no_grad (nothing kept for backward),
+        # then model.train(). AdamW.
+        def run():
+            torch.manual_seed(0)
+            make, step = make_step(train_batch)
+            _, validate = make_step(eval_batch)
+            model = make()
+            opt = torch.optim.AdamW(model.parameters(), 1e-4)
+            for i in range(every * cycles):
+                if i % every == every - 1:
+                    model.eval()
+                    with torch.no_grad():
+                        validate(model, 1000 + i)
+                    model.train()
+                else:
+                    step(model, i).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        return run
+
     varlen = [128, 384, 64, 512, 256, 448]
     return {
         "resnet50": (*vision("resnet50", 16), 3),
@@ -474,6 +497,10 @@ def workloads():
         "gnn_varsize": gnn([5000, 8000, 3000, 8000, 6000, 5000]),
         "lstm_lm": heldout("lstm_lm", torch.optim.Adam, 1e-3, tokens(10000, 32, 64), 4),
         "resnet18_prefetch": prefetched("resnet18", 16, 112, 5),
+        # Held out, added with the fix to plans left for an evaluation pass (measured before
+        # it too): training loops with a validation pass every third step, at twice the batch.
+        "gpt2_4l_eval": evaluating(lambda b: gpt2(b, 256, layers=4), 4, 8, 3, 3),
+        "resnet18_eval": evaluating(lambda b: vision("resnet18", b), 16, 32, 3, 3),
     }
 
 
