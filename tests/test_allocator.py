@@ -239,6 +239,19 @@ def test_ours_segment_sizes():
     assert segments(a) == [(4 * MiB, "large")]
 
 
+def test_ours_takes_a_segment_of_the_requests_own_size_where_a_shared_one_no_longer_fits():
+    dev, a = make("pymemplan", capacity=64 * MiB)
+    sizes = [40 * MiB, 3 * MiB, 9 * MiB, 7 * MiB]
+    ps = [a.malloc(n) for n in sizes]
+    assert segments(a) == [(20 * MiB, "large"), (40 * MiB, "large")]
+    # The medium segment has 1 MiB left; another shared one would need 20 MiB of the 4 left.
+    ps.append(a.malloc(3 * MiB))
+    sizes.append(3 * MiB)
+    assert segments(a) == [(4 * MiB, "large"), (20 * MiB, "large"), (40 * MiB, "large")]
+    assert a.stats()["num_ooms"] == 0
+    check_invariants(a, dev, dict(zip(ps, sizes)))
+
+
 def test_ours_sizes_large_segments_exactly_and_lends_the_tail_to_small_requests():
     _, a = make("pymemplan")
     p = a.malloc(13 * MiB + 100)

@@ -509,6 +509,12 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
       if (config_.kind == PolicyKind::Pymemplan) b = find_free_block(pool, rounded, stream);
       if (b == nullptr) b = new_segment(pool, seg, stream);
     }
+    const std::size_t own = round_up(rounded, std::max<std::size_t>(device_->granularity(), 1));
+    if (b == nullptr && config_.kind == PolicyKind::Pymemplan && !pool.small && own < seg) {
+      // ours: a shared medium segment is a convenience; where it no longer fits, a segment
+      // of the request's own size may.
+      b = new_segment(pool, own, stream);
+    }
     if (b == nullptr) {
       return refuse(size, rounded, stream, seg, false, oom);
     }
