@@ -143,16 +143,17 @@ std::size_t CachingAllocator::segment_size(std::size_t rounded) const {
     case PolicyKind::Pymemplan:
       // ours: as torch, small requests share 2 MiB segments and requests in (1 MiB, 10 MiB)
       // share larger ones (up to medium_segment_mb as the pool grows), so the device's 2 MiB
-      // granularity is paid once per segment rather than once per tensor. A request of 10 MiB or more gets a
-      // segment of its own size: split remainders of big shared segments are where torch
-      // strands memory, while an exact segment wastes at most its granularity tail, which
-      // small requests may still use (find_large_pool_fragment).
+      // granularity is paid once per segment rather than once per tensor. A request of
+      // 10 MiB or more gets a segment of its own size: split remainders of big shared
+      // segments are where torch strands memory, while an exact segment wastes at most its
+      // granularity tail, which small requests may still use (find_large_pool_fragment).
       if (rounded <= kSmallSize) {
         bytes = kSmallBuffer;
       } else if (rounded < kMinLargeAlloc && config_.medium_segment > 0) {
         // A segment is a small share of the most the pool has held (1/32), so that a small
         // workload does not hold a big segment for a few tensors, and never below torch's.
-        const std::size_t share = round_up(static_cast<std::size_t>(reserved_hwm_) / 32, kRoundLarge);
+        const std::size_t share =
+            round_up(static_cast<std::size_t>(reserved_hwm_) / 32, kRoundLarge);
         const std::size_t medium = std::min(config_.medium_segment, std::max(kLargeBuffer, share));
         bytes = std::max(medium, rounded);
       } else {
