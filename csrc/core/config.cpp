@@ -157,7 +157,7 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     } else if (key == "release_before_grow") {
       c.release_before_grow = parse_bool(key, value);
     } else if (key == "medium_segment_mb") {
-      const char* expected = "an integer >= 0 (MiB; 0: exact-size segments)";
+      const char* expected = "an integer >= 0 (MiB; the largest medium segment; 0: exact-size segments)";
       long long mb = parse_int(key, value, expected);
       if (mb < 0 || mb > (1LL << 20)) bad_value(key, value, expected);
       c.medium_segment = static_cast<std::size_t>(mb) * kMiB;
@@ -175,9 +175,10 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
   }
   if (policy == "pymemplan" && !c.vmm && !max_split_set) {
     // ours (classic segments): a block above the largest shared segment, by torch's large
-    // buffer, is never split for a smaller request. Split by the medium requests that come
-    // and go, big exact-size segments were pinned by them (lstm_lm: 1.268 of live -> 1.123).
-    // Virtual segments are 1 GiB address ranges, carved by every request: no such limit.
+    // buffer, is never split for a smaller request. Split by the smaller requests that come
+    // and go, big exact-size segments were pinned by what they left there (lstm_lm: 1.268 of
+    // live -> 1.123). Virtual segments are 1 GiB address ranges that every request carves:
+    // no such limit there.
     c.max_split_size = std::max(c.medium_segment, kMinLargeAlloc) + kLargeBuffer;
   }
   return c;
