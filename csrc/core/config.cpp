@@ -19,13 +19,16 @@ struct KeyInfo {
   bool torch_only = false;
 };
 
+constexpr const char* kMediumSegmentValues =
+    "an integer >= 0 (MiB; the largest medium segment; 0: exact-size segments)";
+
 constexpr KeyInfo kKeys[] = {
     {"max_split_size_mb", "an integer > 20 (MiB)", false},
     {"max_non_split_rounding_mb", "an integer >= 0 (MiB)", false},
     {"roundup_power2_divisions", "0 or a power of two between 1 and 64", false},
     {"release_before_grow", "True or False", true},
     {"cross_stream_reuse", "True or False", true},
-    {"medium_segment_mb", "an integer >= 0 (MiB; the largest medium segment; 0: exact-size segments)", true},
+    {"medium_segment_mb", kMediumSegmentValues, true},
     {"vmm", "True or False", true},
     {"vmm_segment_mb", "an integer >= 2 (MiB)", true},
     {"expandable_segments", "True or False", false, true},
@@ -157,7 +160,7 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     } else if (key == "release_before_grow") {
       c.release_before_grow = parse_bool(key, value);
     } else if (key == "medium_segment_mb") {
-      const char* expected = "an integer >= 0 (MiB; the largest medium segment; 0: exact-size segments)";
+      const char* expected = kMediumSegmentValues;
       long long mb = parse_int(key, value, expected);
       if (mb < 0 || mb > (1LL << 20)) bad_value(key, value, expected);
       c.medium_segment = static_cast<std::size_t>(mb) * kMiB;
