@@ -252,29 +252,6 @@ def test_ours_takes_a_segment_of_the_requests_own_size_where_a_shared_one_no_lon
     check_invariants(a, dev, dict(zip(ps, sizes)))
 
 
-def test_ours_never_splits_a_block_above_its_largest_shared_segment():
-    # Classic segments: blocks of more than the largest medium segment (48 MiB) plus torch's
-    # 20 MiB are oversize. A smaller request does not carve up a big cached block, which it
-    # would pin: it gets a segment of its own, and the big one, wholly free, goes back first.
-    _, a = make("pymemplan", capacity=8 << 30)
-    a.free(a.malloc(100 * MiB))
-    p = a.malloc(30 * MiB)
-    assert segments(a) == [(30 * MiB, "large")]
-    assert a.stats()["max_split_size"] == 68 * MiB
-    a.free(p)
-    _, a = make("pymemplan", "max_split_size_mb:100000", capacity=8 << 30)
-    big = a.malloc(100 * MiB)
-    a.free(big)
-    assert a.malloc(30 * MiB) == big  # without the limit: split, 70 MiB left in the segment
-    assert segments(a) == [(100 * MiB, "large")]
-    # medium_segment_mb moves the limit with it; an explicit max_split_size_mb wins; the
-    # virtual-memory policies have none (their 1 GiB ranges are carved by every request).
-    assert make("pymemplan", "medium_segment_mb:100")[1].stats()["max_split_size"] == 120 * MiB
-    assert make("pymemplan", "max_split_size_mb:512")[1].stats()["max_split_size"] == 512 * MiB
-    assert make("pymemplan", "vmm:True")[1].stats()["max_split_size"] == -1
-    assert make("pymemplan-vmm")[1].stats()["max_split_size"] == -1
-
-
 def test_ours_sizes_large_segments_exactly_and_lends_the_tail_to_small_requests():
     _, a = make("pymemplan")
     p = a.malloc(13 * MiB + 100)
@@ -546,7 +523,7 @@ def test_stats_have_torch_keys_and_meanings_and_peaks_reset():
     # a 2 MiB small segment, and a 20 MiB one shared by requests in (1, 10) MiB
     assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 2 * MiB + 20 * MiB
     assert st["inactive_split_bytes.small_pool.current"] == 2 * MiB - 512
-    assert st["max_split_size"] == 68 * MiB  # classic: 20 MiB above its largest shared segment
+    assert st["max_split_size"] == -1
     a.reset_peak_stats()
     assert a.stats()["allocated_bytes.all.peak"] == 512
     a.reset_accumulated_stats()

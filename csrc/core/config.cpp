@@ -1,12 +1,10 @@
 #include "config.hpp"
 
-#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
 
-#include "allocator.hpp"  // kLargeBuffer, kMinLargeAlloc
 #include "errors.hpp"
 
 namespace pymemplan {
@@ -119,7 +117,6 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     throw AllocatorError("unknown allocator policy '" + policy + "': valid policies are " + names);
   }
 
-  bool max_split_set = false;
   std::stringstream items(conf);
   std::string item;
   while (std::getline(items, item, ',')) {
@@ -147,7 +144,6 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       long long mb = parse_int(key, value, "an integer > 20 (MiB)");
       if (mb <= 20 || mb > (1LL << 40)) bad_value(key, value, "an integer > 20 (MiB)");
       c.max_split_size = static_cast<std::size_t>(mb) * kMiB;
-      max_split_set = true;
     } else if (key == "max_non_split_rounding_mb") {
       long long mb = parse_int(key, value, "an integer >= 0 (MiB)");
       if (mb < 0 || mb > (1LL << 40)) bad_value(key, value, "an integer >= 0 (MiB)");
@@ -175,14 +171,6 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     } else if (key == "expandable_segments") {
       c.expandable_segments = parse_bool(key, value);
     }
-  }
-  if (policy == "pymemplan" && !c.vmm && !max_split_set) {
-    // ours (classic segments): a block above the largest shared segment, by torch's large
-    // buffer, is never split for a smaller request. Split by the smaller requests that come
-    // and go, big exact-size segments were pinned by what they left there (lstm_lm: 1.268 of
-    // live -> 1.123). Virtual segments are 1 GiB address ranges that every request carves:
-    // no such limit there.
-    c.max_split_size = std::max(c.medium_segment, kMinLargeAlloc) + kLargeBuffer;
   }
   return c;
 }
