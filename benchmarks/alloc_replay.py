@@ -614,7 +614,7 @@ def main() -> int:
     from pymemplan import _core
     from pymemplan.traces.offline import offline_layout
     from pymemplan.traces.replay import parse_policy, replay
-    from pymemplan.units import format_bytes
+    from pymemplan.units import format_bytes, parse_bytes
     import synthetic_traces
 
     policies = available(POLICIES)
@@ -636,6 +636,13 @@ def main() -> int:
             r["ooms_at_torch_oom_capacity"] = None if torch_cap is None else _core.replay(
                 trace.action, trace.ptr, trace.size, trace.stream, *parse_policy(r["policy"]),
                 torch_cap, PAGE)["ooms"]
+            # Driver calls once the steps repeat: device allocations + frees over the last
+            # third of the trace. A steady state should make none (a cudaFree, or unmapping a
+            # page, waits for the device's queued work).
+            late = _core.replay(trace.action, trace.ptr, trace.size, trace.stream,
+                                *parse_policy(r["policy"]), parse_bytes(args.capacity), PAGE,
+                                2 * len(trace) // 3)
+            r["late_device_calls"] = late["steady_device_allocs"] + late["steady_device_frees"]
         for r in results:
             # Timing on a shared machine is noisy: the best of --timing-runs runs. Planning (the
             # one-off cost of computing plans) is reported apart from serving requests.
@@ -754,6 +761,10 @@ def main() -> int:
                                  if by[(n, p)]["oom_capacity_bytes"] else "–" for p in cap]
                 + [f"{by[(n, p)]['device_allocs']:,}" for p in cap]
                 + [f"{by[(n, p)]['ns_per_event']:.0f}" for p in cap]))
+    print("\nDriver calls (device allocations + frees; for the virtual-memory policies, pages "
+          "mapped and unmapped) over the last third of each trace, once its steps repeat:\n")
+    print(table(["trace"] + [f"last third: {short(p)}" for p in cap],
+                lambda n: [n] + [f"{by[(n, p)]['late_device_calls']:,}" for p in cap]))
     if "pymemplan-planned" in policies:
         print("\npymemplan-planned: requests served from a plan (in holes of the pool among "
               "them) and by the pool, pages given back by sharing (share_pages), packing of the "

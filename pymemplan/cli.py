@@ -70,7 +70,7 @@ def _offline_row(trace, granularity) -> dict:
             "device_allocs": None, "device_frees": None, "ooms": None, "ns_per_event": None,
             "steady_from_event": None, "steady_peak_live_bytes": None,
             "steady_peak_reserved_bytes": None, "steady_reserved_over_live": None,
-            "arena_bytes": layout.arena_bytes}
+            "steady_device_calls": None, "arena_bytes": layout.arena_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ DATA = Path(__file__).parent / "data"
 KEYS = {"trace", "policy", "events", "peak_live_bytes", "peak_allocated_bytes",
         "peak_reserved_bytes", "reserved_over_live", "device_allocs", "device_frees", "ooms",
         "ns_per_event", "steady_from_event", "steady_peak_live_bytes",
-        "steady_peak_reserved_bytes", "steady_reserved_over_live"}
+        "steady_peak_reserved_bytes", "steady_reserved_over_live", "steady_device_calls"}
 
 
 def run_json(capsys, *argv):
@@ -82,6 +82,24 @@ def test_replay_python_api_on_a_handmade_trace(tmp_path):
     assert res["pymemplan"].peak_reserved_bytes == 12 * MiB
     assert res["torch"].peak_reserved_bytes == 22 * MiB
     assert res["pymemplan"].peak_live_bytes == 12 * MiB
+
+
+def test_replay_counts_driver_calls_from_the_steady_state_on():
+    from pymemplan import _core
+
+    MiB = 1 << 20
+    # Free 10 MiB, then ask for 12, then 30 (events 0-3). From event 2 on, torch makes two
+    # segments (12, 30 MiB; the 10 MiB one stays cached); ours gives the cached 10 MiB back
+    # before each new peak: two segments and one free.
+    tr = Trace.from_events([(0, 1, 10 * MiB, 0, 0.0), (1, 1, 0, 0, 0.0), (0, 2, 12 * MiB, 0, 0.0),
+                            (0, 3, 30 * MiB, 0, 0.0)], name="grow")
+    for policy, allocs, frees in (("torch", 2, 0), ("pymemplan", 2, 1)):
+        r = _core.replay(tr.action, tr.ptr, tr.size, tr.stream, policy, "", 1 << 30, 2 * MiB, 2)
+        assert (r["steady_device_allocs"], r["steady_device_frees"]) == (allocs, frees), policy
+        whole = _core.replay(tr.action, tr.ptr, tr.size, tr.stream, policy, "", 1 << 30, 2 * MiB, 0)
+        assert whole["steady_device_allocs"] == whole["device_allocs"] == allocs + 1
+    # Without a steady state, nothing is counted.
+    assert _core.replay(tr.action, tr.ptr, tr.size, tr.stream)["steady_device_allocs"] == -1
 
 
 def test_console_script_and_module_entry_points():

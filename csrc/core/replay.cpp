@@ -24,8 +24,14 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   const Stats before = allocator.stats();
   const double planning_before = allocator.planning_seconds();
   std::uint64_t requests = 0;
+  std::int64_t steady_allocs_before = 0, steady_frees_before = 0;
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < n; ++i) {
+    if (steady_from >= 0 && static_cast<std::int64_t>(i) == steady_from) {
+      const Stats at = allocator.stats();
+      steady_allocs_before = at.num_device_alloc;
+      steady_frees_before = at.num_device_free;
+    }
     switch (action[i]) {
       case kTraceAlloc: {
         void* p = allocator.try_malloc(size[i], static_cast<StreamId>(stream[i]));
@@ -71,6 +77,10 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   r.peak_reserved_bytes = after.reserved_bytes[kAllPools].peak;
   r.device_allocs = after.num_device_alloc - before.num_device_alloc;
   r.device_frees = after.num_device_free - before.num_device_free;
+  if (steady_from >= 0 && static_cast<std::size_t>(steady_from) < n) {
+    r.steady_device_allocs = after.num_device_alloc - steady_allocs_before;
+    r.steady_device_frees = after.num_device_free - steady_frees_before;
+  }
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stop - start).count();
   r.ns_per_event = n ? static_cast<double>(ns) / static_cast<double>(n) : 0.0;
   r.planning_seconds = allocator.planning_seconds() - planning_before;

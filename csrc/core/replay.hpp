@@ -26,6 +26,11 @@ struct ReplayResult {
   // With steady_from >= 0: the peaks over events [steady_from, n) only (-1 otherwise).
   std::int64_t steady_peak_reserved_bytes = -1;
   std::int64_t steady_peak_live_bytes = -1;
+  // With steady_from >= 0: device allocations and frees over events [steady_from, n) (-1
+  // otherwise). A caching allocator's steady state should make none; each one is a driver
+  // call, and a cudaFree waits for the whole device.
+  std::int64_t steady_device_allocs = -1;
+  std::int64_t steady_device_frees = -1;
 };
 
 // Events are parallel arrays. A free names the ptr of an earlier alloc; frees of allocations

@@ -372,6 +372,8 @@ PYBIND11_MODULE(_core, m) {
         d["first_planned_event"] = r.first_planned_event;
         d["steady_peak_reserved_bytes"] = r.steady_peak_reserved_bytes;
         d["steady_peak_live_bytes"] = r.steady_peak_live_bytes;
+        d["steady_device_allocs"] = r.steady_device_allocs;
+        d["steady_device_frees"] = r.steady_device_frees;
         return d;
       },
       py::arg("action"), py::arg("ptr"), py::arg("size"), py::arg("stream"),

@@ -30,6 +30,9 @@ class ReplayResult:
     steady_peak_live_bytes: int | None = None
     steady_peak_reserved_bytes: int | None = None
     steady_reserved_over_live: float | None = None
+    # Device allocations + frees over the same events: driver calls a steady state should
+    # not make (a cudaFree waits for the whole device).
+    steady_device_calls: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,6 +83,7 @@ def replay(trace: Trace, policies=DEFAULT_POLICIES, *, capacity="80GiB",
             result.steady_from_event = steady_from
             result.steady_peak_live_bytes = s["steady_peak_live_bytes"]
             result.steady_peak_reserved_bytes = s["steady_peak_reserved_bytes"]
+            result.steady_device_calls = s["steady_device_allocs"] + s["steady_device_frees"]
             if s["steady_peak_live_bytes"] > 0:
                 result.steady_reserved_over_live = (s["steady_peak_reserved_bytes"]
                                                     / s["steady_peak_live_bytes"])
