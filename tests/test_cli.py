@@ -100,6 +100,14 @@ def test_replay_counts_driver_calls_from_the_steady_state_on():
         assert whole["steady_device_allocs"] == whole["device_allocs"] == allocs + 1
     # Without a steady state, nothing is counted.
     assert _core.replay(tr.action, tr.ptr, tr.size, tr.stream)["steady_device_allocs"] == -1
+    # replay() counts from the first request a plan served, the same events for every policy.
+    rec = read_trace(DATA / "gpt2_6l_s512.csv.gz")
+    for r in replay(rec, ["pymemplan-planned", "torch"]):
+        s = _core.replay(rec.action, rec.ptr, rec.size, rec.stream, r.policy, "", 80 << 30,
+                         2 * MiB, r.steady_from_event)
+        assert r.steady_from_event > 0
+        assert r.steady_device_calls == s["steady_device_allocs"] + s["steady_device_frees"]
+        assert r.steady_device_calls <= r.device_allocs + r.device_frees
 
 
 def test_console_script_and_module_entry_points():
