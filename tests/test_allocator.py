@@ -277,6 +277,30 @@ def test_ours_releases_cache_before_raising_the_peak():
         assert a.stats()["reserved_bytes.all.peak"] == expected_peak, policy
 
 
+def test_vmm_gives_back_the_pages_best_fit_reaches_last():
+    # At its peak, vmm unmaps free pages elsewhere before mapping new ones. Best fit hands out
+    # the smallest free block that fits, from its low end: the pages to give back are the top
+    # ones of the largest free blocks, not the lowest addresses, or the next small request
+    # maps again what was just unmapped (a device call, and a synchronize, per page).
+    page = 2 * MiB
+    _, a = make("pymemplan-vmm", "vmm_segment_mb:1024")
+    x = a.malloc(8 * page)
+    keep = [a.malloc(2 * page)]
+    y = a.malloc(4 * page)
+    keep.append(a.malloc(2 * page))
+    a.free(x)  # free and mapped: 8 pages at the bottom, 4 in the middle
+    a.free(y)
+    assert a.stats()["reserved_bytes.all.current"] == 16 * page
+    a.malloc(9 * page)  # fits only above: 9 pages reclaimed, the peak stays at 16
+    s = a.stats()
+    assert s["reserved_bytes.all.peak"] == 16 * page
+    calls = s["num_device_alloc"] + s["num_device_free"]
+    a.malloc(3 * page)  # best fit: the 4-page block, whose low pages are still mapped
+    s = a.stats()
+    assert s["num_device_alloc"] + s["num_device_free"] == calls
+    assert s["reserved_bytes.all.peak"] == 16 * page
+
+
 def test_ours_reuses_across_streams_only_after_the_owner_completes():
     # (release_before_grow off: it would return p's idle segment to the device instead)
     dev, a = make("pymemplan", "release_before_grow:False", auto=False)

@@ -1039,24 +1039,50 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
   // to be used) and gives them back to the device, until `want` bytes are reclaimed. The
   // pool's segments go first, arenas last: their free pages will serve the plan again.
   const std::size_t page = device_->granularity();
+  struct Victim {
+    std::size_t free_block;  // size of the free block the page starts in
+    std::uintptr_t addr;
+    Segment* seg;
+  };
   std::size_t reclaimed = 0;
+  std::vector<Victim> victims;
   for (const bool arenas : {false, true}) {
+    if (reclaimed >= want) break;
+    victims.clear();
     for (auto& [addr, seg] : segments_) {
-      if (reclaimed >= want) return reclaimed;
       // Only segments with mapped pages that no block uses (counted as blocks come and go).
       if (!seg->vmm || seg->unused_mapped == 0 || seg->arena != arenas || seg->chunk != 0) {
         continue;  // expandable segments give back only whole free chunks (unmap_free_chunks)
       }
-      std::vector<std::size_t> victims;
-      for (std::size_t i = 0; i < seg->pages.size() && reclaimed + victims.size() * page < want &&
-                              victims.size() < seg->unused_mapped;
-           ++i) {
-        if (seg->pages[i] == 0 || seg->users[i] != 0) continue;
-        const std::uintptr_t plo = seg->addr + i * page;
-        if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
-        victims.push_back(i);
+      // A page no block uses starts inside a free block (blocks in use count as users).
+      for (const Block* b = seg->head; b != nullptr; b = b->next) {
+        if (b->allocated) continue;
+        for (std::size_t i = (b->addr - seg->addr + page - 1) / page;
+             i < seg->pages.size() && seg->addr + i * page < b->addr + b->size; ++i) {
+          const std::uintptr_t plo = seg->addr + i * page;
+          if (seg->pages[i] == 0 || seg->users[i] != 0) continue;
+          if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
+          victims.push_back({b->size, plo, seg});
+        }
       }
-      if (victims.empty()) continue;
+    }
+    // Best fit hands out the smallest free block that fits, from its low end: the pages it
+    // reaches last, and so the ones to give back first, are the top pages of the largest
+    // free blocks. Taken in address order, pages that the next requests mapped again went
+    // back (vmm over the 31 traces of alloc_replay: 13,036 driver calls in their last
+    // thirds; in this order 3,290, at the same peaks).
+    const std::size_t short_by = want - reclaimed;  // kNoLimit: every unused page
+    const std::size_t n = std::min(victims.size(), short_by / page + (short_by % page != 0));
+    auto last_reached = [](const Victim& a, const Victim& b) {
+      return a.free_block != b.free_block ? a.free_block > b.free_block : a.addr > b.addr;
+    };
+    std::partial_sort(victims.begin(), victims.begin() + static_cast<std::ptrdiff_t>(n),
+                      victims.end(), last_reached);
+    victims.resize(n);
+    std::sort(victims.begin(), victims.end(),
+              [](const Victim& a, const Victim& b) { return a.addr < b.addr; });
+    for (std::size_t k = 0; k < victims.size();) {
+      Segment* seg = victims[k].seg;
       // The owners of free blocks over these pages may still have queued work on them.
       std::vector<StreamId> owners;
       for (const Block* b = seg->head; b != nullptr; b = b->next) {
@@ -1066,9 +1092,11 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
         }
       }
       for (StreamId s : owners) synchronize_stream(s);
-      for (std::size_t v : victims) unmap_page(seg, v);
-      reclaimed += victims.size() * page;
+      for (; k < victims.size() && victims[k].seg == seg; ++k) {
+        unmap_page(seg, (victims[k].addr - seg->addr) / page);
+      }
     }
+    reclaimed += n * page;
   }
   return reclaimed;
 }
