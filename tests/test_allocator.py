@@ -301,6 +301,27 @@ def test_vmm_gives_back_the_pages_best_fit_reaches_last():
     assert s["reserved_bytes.all.peak"] == 16 * page
 
 
+def test_vmm_unmaps_without_waiting_once_an_event_after_the_free_completed():
+    # A page no block uses may still be touched by work queued before its block was freed:
+    # unmapping it waits for that stream, unless an event recorded after the free (an epoch)
+    # has completed. Waiting stalls the host until the device drains the stream.
+    page = 2 * MiB
+    dev, a = make("pymemplan-vmm", "vmm_segment_mb:1024", auto=False)
+    x = a.malloc(8 * page, 0)
+    keep = a.malloc(2 * page, 0)
+    t = dev.record_count
+    a.free(x)  # 8 pages unused, their stream's work still queued
+    y = a.malloc(9 * page, 0)  # fits only above: x's pages are unmapped for it
+    assert a.unmap_waits() == 1
+    assert dev.completed_through(0) > t  # it waited for the work queued before the free
+    a.free(y)
+    dev.complete_events(0)  # the device caught up
+    a.malloc(8 * page, 0)  # x's place again: y's pages go back, with nothing left to wait for
+    assert a.unmap_waits() == 1
+    assert a.stats()["reserved_bytes.all.peak"] == 11 * page  # pages moved, none added
+    a.free(keep)
+
+
 def test_ours_reuses_across_streams_only_after_the_owner_completes():
     # (release_before_grow off: it would return p's idle segment to the device instead)
     dev, a = make("pymemplan", "release_before_grow:False", auto=False)

@@ -59,6 +59,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.program.append(("f", i - 1))
         self.program += [("f", i) for i in (5, 3, 1)] + [("a", "carry", 6 * MiB, 0), ("f", 4)]
         self.held: dict = {}  # program key -> ptr
+        self.mapped_at_free = []  # (page address, physical page, streams, record count)
 
     def _done_after(self, stream, t):
         # Work queued on `stream` before the free is done once an event recorded after the
@@ -104,8 +105,15 @@ class AllocatorMachine(RuleBasedStateMachine):
             del self.held[key]
         size, stream, uses = self.live.pop(p)
         t = self.device.record_count
-        self.alloc.free(p)
         rounded = self.alloc.round_size(size)
+        page = self.device.granularity
+        # The physical pages under the block (vmm): none may be unmapped while work queued on
+        # its stream, or on streams that used it, before the free may still touch it.
+        for at in range(p // page * page, p + rounded, page):
+            handle, _ = self.device.translate(at)
+            if handle:
+                self.mapped_at_free.append((at, handle, {stream, *uses}, t))
+        self.alloc.free(p)
         self.freed.append((p, p + rounded, stream, uses, t))
 
     @rule(times=st.integers(1, 4))
@@ -147,6 +155,17 @@ class AllocatorMachine(RuleBasedStateMachine):
     def empty_cache(self):
         self.alloc.empty_cache()
         assert self.device.pending_events == 0, "empty_cache left events pending"
+
+    @invariant()
+    def pages_stay_mapped_until_their_work_is_done(self):
+        pending = []
+        for at, handle, streams, t in self.mapped_at_free:
+            if all(self._done_after(s, t) for s in streams):
+                continue
+            assert self.device.translate(at)[0] == handle, (
+                f"page at {at:#x} unmapped while work queued before its free may touch it")
+            pending.append((at, handle, streams, t))
+        self.mapped_at_free = pending
 
     @invariant()
     def consistent(self):

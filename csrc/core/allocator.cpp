@@ -75,6 +75,8 @@ CachingAllocator::~CachingAllocator() {
   try {
     for (auto& p : pending_) device_->synchronize_event(p.event);
     for (auto& p : pending_) device_->destroy_event(p.event);
+    for (const Epoch& e : epochs_) device_->synchronize_event(e.event);
+    for (const Epoch& e : epochs_) device_->destroy_event(e.event);
     for (EventHandle e : event_pool_) device_->destroy_event(e);
     for (auto& [addr, seg] : segments_) {
       if (!seg->vmm) {
@@ -675,7 +677,11 @@ void CachingAllocator::free_block(Block* b) {
   update_stat(&Stats::active_bytes, small, -static_cast<std::int64_t>(b->size));
   b->requested = 0;
   b->free_seq = ++free_seq_;
-  count_use(b, -1);
+  // ours (vmm): torch waits for the stream at every unmap; we record when we need not.
+  if (count_use(b, -1) && config_.vmm && b->stream != kAnyStream) {
+    last_idle_free_[b->stream] = b->free_seq;
+    start_epoch(b->stream);
+  }
   if (config_.kind == PolicyKind::NoCache) {
     release_segment(b);
     return;
@@ -777,8 +783,16 @@ void CachingAllocator::release_segment(Block* b) {
   // `b` spans its whole segment, is free and listed nowhere.
   Segment* seg = b->segment;
   if (seg->vmm) {
-    // Queued work of the block's owner may still touch its pages: wait before unmapping.
-    if (seg->mapped != 0 && b->stream != kAnyStream) synchronize_stream(b->stream);
+    // Queued work of the block's owner may still touch its pages: wait before unmapping,
+    // unless epochs tell it is done.
+    bool idle = true;
+    for (std::size_t i = 0; i < seg->pages.size() && idle; ++i) {
+      idle = seg->pages[i] == 0 || page_idle(seg, i);
+    }
+    if (!idle && b->stream != kAnyStream) {
+      synchronize_stream(b->stream);
+      ++stats_.num_unmap_waits;
+    }
     for (std::size_t i = 0; i < seg->pages.size(); ++i) {
       if (seg->pages[i] != 0) unmap_page(seg, i);
     }
@@ -863,6 +877,8 @@ Block* CachingAllocator::expand(Pool& pool, std::size_t rounded, StreamId stream
     b->segment->chunk = chunk;
     b->segment->pages.assign(bytes / page, 0);
     b->segment->users.assign(bytes / page, 0);
+    b->segment->freed_by.assign(bytes / page, kAnyStream);
+    b->segment->freed_seq.assign(bytes / page, 0);
     b->unmapped = true;
     insert_free(b);
     start = b;
@@ -908,7 +924,10 @@ std::size_t CachingAllocator::unmap_free_chunks() {
           seg->addr + (b->addr + b->size - seg->addr) / seg->chunk * seg->chunk;
       if (lo >= hi) continue;
       // Unmapping does not wait for queued work (cudaFree does): the owner must be done.
-      if (b->stream != kAnyStream) synchronize_stream(b->stream);
+      if (b->stream != kAnyStream) {
+        synchronize_stream(b->stream);
+        ++stats_.num_unmap_waits;
+      }
       erase_free(b);
       Block* middle = b;
       if (lo > b->addr) {
@@ -937,6 +956,8 @@ Block* CachingAllocator::new_virtual_segment(std::size_t rounded, StreamId strea
   Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, false, true);
   b->segment->pages.assign(bytes / page, 0);
   b->segment->users.assign(bytes / page, 0);
+  b->segment->freed_by.assign(bytes / page, kAnyStream);
+  b->segment->freed_seq.assign(bytes / page, 0);
   return b;
 }
 
@@ -1015,22 +1036,85 @@ void CachingAllocator::unmap_page(Segment* seg, std::size_t i) {
   seg->pages[i] = 0;
   --seg->mapped;
   if (seg->users[i] == 0) --seg->unused_mapped;
+  seg->freed_by[i] = kAnyStream;  // a page mapped here later is new
+  seg->freed_seq[i] = 0;
   reserved_ -= static_cast<std::int64_t>(page);
   update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
   if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_free;
 }
 
-void CachingAllocator::count_use(const Block* b, int delta) {
+bool CachingAllocator::count_use(const Block* b, int delta) {
   Segment* seg = b->segment;
-  if (!seg->vmm) return;
+  if (!seg->vmm) return false;
   const std::size_t page = device_->granularity();
+  bool idle = false;
   for (std::size_t i = (b->addr - seg->addr) / page; i <= (b->addr + b->size - 1 - seg->addr) / page; ++i) {
     if (delta > 0) {
       if (seg->users[i]++ == 0 && seg->pages[i] != 0) --seg->unused_mapped;
-    } else {
-      if (--seg->users[i] == 0 && seg->pages[i] != 0) ++seg->unused_mapped;
+      continue;
     }
+    if (--seg->users[i] == 0 && seg->pages[i] != 0) {
+      ++seg->unused_mapped;
+      idle = true;
+    }
+    // Work of b's stream on the page is done once an epoch after this free completes. A guard
+    // (kAnyStream) had no work of its own.
+    if (b->stream == kAnyStream) continue;
+    const StreamId before = seg->freed_by[i];
+    seg->freed_by[i] = before == b->stream || page_idle(seg, i) ? b->stream : kSeveralStreams;
+    seg->freed_seq[i] = b->free_seq;
   }
+  return idle;
+}
+
+bool CachingAllocator::page_idle(const Segment* seg, std::size_t i) const {
+  const StreamId s = seg->freed_by[i];
+  if (s == kAnyStream) return true;
+  if (s == kSeveralStreams) return false;
+  auto it = idle_through_.find(s);
+  return it != idle_through_.end() && seg->freed_seq[i] <= it->second;
+}
+
+void CachingAllocator::start_epoch(StreamId stream) {
+  // One in flight per stream: frees after it wait for the next, recorded once it completes.
+  for (const Epoch& e : epochs_) {
+    if (e.stream == stream) return;
+  }
+  EventHandle e = get_event();
+  try {
+    device_->record_event(e, stream);
+  } catch (...) {
+    return_event(e);  // without an epoch, unmapping these pages waits for the stream
+    return;
+  }
+  epochs_.push_back({e, stream, free_seq_});
+}
+
+void CachingAllocator::poll_epochs() {
+  for (std::size_t k = 0; k < epochs_.size();) {
+    const Epoch e = epochs_[k];
+    if (!device_->query_event(e.event)) {
+      ++k;
+      continue;
+    }
+    std::uint64_t& through = idle_through_[e.stream];
+    through = std::max(through, e.seq);
+    return_event(e.event);
+    epochs_[k] = epochs_.back();
+    epochs_.pop_back();
+    // Pages left unused by frees since it was recorded need the next one.
+    if (last_idle_free_[e.stream] > through) start_epoch(e.stream);
+  }
+}
+
+void CachingAllocator::synchronize_epochs() {
+  for (const Epoch& e : epochs_) {
+    device_->synchronize_event(e.event);
+    std::uint64_t& through = idle_through_[e.stream];
+    through = std::max(through, e.seq);
+    return_event(e.event);
+  }
+  epochs_.clear();
 }
 
 std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t keep_lo,
@@ -1081,17 +1165,31 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     victims.resize(n);
     std::sort(victims.begin(), victims.end(),
               [](const Victim& a, const Victim& b) { return a.addr < b.addr; });
+    poll_epochs();
     for (std::size_t k = 0; k < victims.size();) {
       Segment* seg = victims[k].seg;
-      // The owners of free blocks over these pages may still have queued work on them.
+      // Work queued before the frees that left these pages unused may still touch them: the
+      // streams not known done are waited for (once: then they are known done).
       std::vector<StreamId> owners;
-      for (const Block* b = seg->head; b != nullptr; b = b->next) {
-        if (b->is_free() && b->stream != kAnyStream &&
-            std::find(owners.begin(), owners.end(), b->stream) == owners.end()) {
-          owners.push_back(b->stream);
+      auto wait_for = [&](StreamId s) {
+        if (std::find(owners.begin(), owners.end(), s) == owners.end()) owners.push_back(s);
+      };
+      for (std::size_t j = k; j < victims.size() && victims[j].seg == seg; ++j) {
+        const std::size_t i = (victims[j].addr - seg->addr) / page;
+        if (page_idle(seg, i)) continue;
+        if (seg->freed_by[i] != kSeveralStreams) {
+          wait_for(seg->freed_by[i]);
+          continue;
+        }
+        // Users freed on several streams: every owner of a free block of the segment.
+        for (const Block* b = seg->head; b != nullptr; b = b->next) {
+          if (b->is_free() && b->stream != kAnyStream) wait_for(b->stream);
         }
       }
-      for (StreamId s : owners) synchronize_stream(s);
+      for (StreamId s : owners) {
+        synchronize_stream(s);
+        ++stats_.num_unmap_waits;
+      }
       for (; k < victims.size() && victims[k].seg == seg; ++k) {
         unmap_page(seg, (victims[k].addr - seg->addr) / page);
       }
@@ -1106,6 +1204,9 @@ void CachingAllocator::synchronize_stream(StreamId stream) {
   device_->record_event(e, stream);
   device_->synchronize_event(e);
   return_event(e);
+  std::uint64_t& through = idle_through_[stream];
+  through = std::max(through, free_seq_);  // everything freed on it so far is done
+  poll_epochs();                            // and its epochs are reached
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1502,6 +1603,8 @@ std::uintptr_t CachingAllocator::create_arena(std::size_t bytes) {
                     kAnyStream, false, true);
     b->segment->pages.assign(bytes / page, 0);
     b->segment->users.assign(bytes / page, 0);
+    b->segment->freed_by.assign(bytes / page, kAnyStream);
+    b->segment->freed_seq.assign(bytes / page, 0);
   } else {
     b = new_segment(large_, bytes, kAnyStream);
     if (b == nullptr) return 0;
@@ -1776,6 +1879,7 @@ std::int64_t CachingAllocator::take_window_peak() {
 // Events and streams
 
 void CachingAllocator::process_events() {
+  poll_epochs();
   // Completed events release their blocks; incomplete ones stay queued.
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (!device_->query_event(it->event)) {
@@ -1790,14 +1894,16 @@ void CachingAllocator::process_events() {
 }
 
 void CachingAllocator::synchronize_and_free_events() {
-  if (pending_.empty()) return;
-  ++stats_.num_sync_all_streams;
-  std::deque<PendingEvent> all;
-  all.swap(pending_);
-  for (auto& p : all) {
-    device_->synchronize_event(p.event);
-    complete_event(p);
+  if (!pending_.empty()) {
+    ++stats_.num_sync_all_streams;
+    std::deque<PendingEvent> all;
+    all.swap(pending_);
+    for (auto& p : all) {
+      device_->synchronize_event(p.event);
+      complete_event(p);
+    }
   }
+  synchronize_epochs();  // last: the blocks freed just now may have started one
 }
 
 void CachingAllocator::complete_event(const PendingEvent& p) {

@@ -205,10 +205,25 @@ class CachingAllocator : public Allocator {
   bool map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
   std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                             std::size_t want);
-  // Counts `b` (a block of a virtual segment) in or out of the users of its pages.
-  void count_use(const Block* b, int delta);
+  // Counts `b` (a block of a virtual segment) in or out of the users of its pages; out, its
+  // stream and free_seq are noted on them (Segment::freed_by). Returns whether a mapped page
+  // was left without users.
+  bool count_use(const Block* b, int delta);
   void unmap_page(Segment* seg, std::size_t index);
   void synchronize_stream(StreamId stream);
+  // Unmapping a page must not race work queued on it, but waiting for a whole stream
+  // (synchronize_stream) stalls the host. An epoch is an event recorded on a stream right
+  // after a free: once complete, all that stream's work queued before frees up to `seq` is
+  // done (idle_through_), and pages freed then unmap without waiting.
+  struct Epoch {
+    EventHandle event;
+    StreamId stream;
+    std::uint64_t seq;
+  };
+  bool page_idle(const Segment* seg, std::size_t index) const;
+  void start_epoch(StreamId stream);
+  void poll_epochs();
+  void synchronize_epochs();
   // Page sharing. side[0] keeps the physical page it had; side[1] is an alias of it. Each
   // side's guards cover the offsets the other side owns.
   struct Share {
@@ -291,6 +306,9 @@ class CachingAllocator : public Allocator {
   std::deque<PendingEvent> pending_;
   std::vector<EventHandle> event_pool_;
   std::vector<StreamId> draining_;  // streams with a drain event in flight
+  std::vector<Epoch> epochs_;       // in flight, at most one per stream
+  std::unordered_map<StreamId, std::uint64_t> idle_through_;    // frees up to this seq: done
+  std::unordered_map<StreamId, std::uint64_t> last_idle_free_;  // last free leaving a page unused
   std::vector<Block*> block_pool_;
   std::uint64_t free_seq_ = 0;
   std::size_t limit_ = 0;  // 0: none

@@ -12,6 +12,7 @@ namespace pymemplan {
 
 // Owner key of a free block that any stream may take: its last owner's work is known done.
 constexpr StreamId kAnyStream = ~StreamId{0};
+constexpr StreamId kSeveralStreams = kAnyStream - 1;  // see Segment::freed_by
 
 struct Segment;
 
@@ -63,6 +64,11 @@ struct Segment {
   // unused_mapped: pages mapped with no user, which reclaiming may give back.
   std::vector<std::uint32_t> users;
   std::size_t unused_mapped = 0;
+  // Who may still have work queued on page i (CachingAllocator::page_idle): the stream that
+  // freed its last user and the free's sequence number; kAnyStream when nobody may,
+  // kSeveralStreams when users were freed on different streams not known done.
+  std::vector<StreamId> freed_by;
+  std::vector<std::uint64_t> freed_seq;
   // An expandable segment (torch, expandable_segments): pages are mapped this many bytes
   // at a time, each run aligned to the segment's start; 0 for other segments.
   std::size_t chunk = 0;

@@ -12,7 +12,7 @@ namespace pymemplan {
 
 ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
                     const std::int64_t* size, const std::int64_t* stream, std::size_t n,
-                    std::int64_t steady_from) {
+                    std::int64_t steady_from, const std::function<void()>& after_event) {
   struct Live {
     void* address;  // nullptr: the allocation failed
     std::int64_t size;
@@ -24,13 +24,14 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   const Stats before = allocator.stats();
   const double planning_before = allocator.planning_seconds();
   std::uint64_t requests = 0;
-  std::int64_t steady_allocs_before = 0, steady_frees_before = 0;
+  std::int64_t steady_allocs_before = 0, steady_frees_before = 0, steady_waits_before = 0;
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < n; ++i) {
     if (steady_from >= 0 && static_cast<std::int64_t>(i) == steady_from) {
       const Stats at = allocator.stats();
       steady_allocs_before = at.num_device_alloc;
       steady_frees_before = at.num_device_free;
+      steady_waits_before = at.num_unmap_waits;
     }
     switch (action[i]) {
       case kTraceAlloc: {
@@ -65,6 +66,7 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
         throw AllocatorError("trace event " + std::to_string(i) + ": unknown action " +
                              std::to_string(action[i]));
     }
+    if (after_event) after_event();
     if (steady_from >= 0 && static_cast<std::int64_t>(i) >= steady_from) {
       r.steady_peak_reserved_bytes = std::max(r.steady_peak_reserved_bytes, allocator.reserved_bytes());
       r.steady_peak_live_bytes = std::max(r.steady_peak_live_bytes, live_bytes);
@@ -77,9 +79,11 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   r.peak_reserved_bytes = after.reserved_bytes[kAllPools].peak;
   r.device_allocs = after.num_device_alloc - before.num_device_alloc;
   r.device_frees = after.num_device_free - before.num_device_free;
+  r.unmap_waits = after.num_unmap_waits - before.num_unmap_waits;
   if (steady_from >= 0 && static_cast<std::size_t>(steady_from) < n) {
     r.steady_device_allocs = after.num_device_alloc - steady_allocs_before;
     r.steady_device_frees = after.num_device_free - steady_frees_before;
+    r.steady_unmap_waits = after.num_unmap_waits - steady_waits_before;
   }
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stop - start).count();
   r.ns_per_event = n ? static_cast<double>(ns) / static_cast<double>(n) : 0.0;

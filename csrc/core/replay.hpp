@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "allocator_api.hpp"
 
@@ -31,6 +32,10 @@ struct ReplayResult {
   // call, and a cudaFree waits for the whole device.
   std::int64_t steady_device_allocs = -1;
   std::int64_t steady_device_frees = -1;
+  // Page unmaps that waited for a stream's queued work (Stats::num_unmap_waits), in all and
+  // over [steady_from, n) (-1 without steady_from).
+  std::int64_t unmap_waits = 0;
+  std::int64_t steady_unmap_waits = -1;
 };
 
 // Events are parallel arrays. A free names the ptr of an earlier alloc; frees of allocations
@@ -39,8 +44,10 @@ struct ReplayResult {
 // a pointer that is not live or an unknown action.
 // steady_from >= 0 also tracks the peaks from that event on, polling reserved memory after
 // every event (which slows the loop: time a run without it).
+// after_event, when given, is called after every event (the simulated device's clock).
 ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
                     const std::int64_t* size, const std::int64_t* stream, std::size_t n,
-                    std::int64_t steady_from = -1);
+                    std::int64_t steady_from = -1,
+                    const std::function<void()>& after_event = nullptr);
 
 }  // namespace pymemplan

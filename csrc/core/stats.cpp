@@ -60,6 +60,7 @@ void Stats::reset_peak() {
 void Stats::reset_accumulated() {
   for_each_array(*this, [](Stat& s) { s.reset_accumulated(); });
   num_alloc_retries = num_ooms = num_sync_all_streams = num_device_alloc = num_device_free = 0;
+  num_unmap_waits = 0;
 }
 
 }  // namespace pymemplan

@@ -50,6 +50,9 @@ struct Stats {
   std::int64_t num_device_alloc = 0;
   std::int64_t num_device_free = 0;
   std::int64_t max_split_size = 0;
+  // Not a torch key (items() leaves it out): the times a page unmap waited for a stream's
+  // queued work (vmm); the epochs of CachingAllocator make most unmaps wait for nothing.
+  std::int64_t num_unmap_waits = 0;
 
   // Flattened with PyTorch's keys: "allocated_bytes.all.peak", "num_ooms", ...
   std::vector<std::pair<std::string, std::int64_t>> items() const;

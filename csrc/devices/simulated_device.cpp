@@ -121,7 +121,18 @@ void SimulatedDevice::map_page(void* ptr, PageHandle page) {
   ++p->second;
 }
 
+void SimulatedDevice::set_unmap_hook(std::function<void(std::uintptr_t)> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unmap_hook_ = std::move(hook);
+}
+
 void SimulatedDevice::unmap_page(void* ptr) {
+  std::function<void(std::uintptr_t)> hook;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    hook = unmap_hook_;
+  }
+  if (hook) hook(reinterpret_cast<std::uintptr_t>(ptr));  // it may query the device
   std::lock_guard<std::mutex> lock(mutex_);
   auto m = mappings_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (m == mappings_.end()) throw DeviceError("simulated device: unmap of an address not mapped");
@@ -131,7 +142,13 @@ void SimulatedDevice::unmap_page(void* ptr) {
 
 void SimulatedDevice::synchronize_device() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& [e, s] : events_) mark_complete(s);
+  std::uint64_t until = now_;
+  for (auto& [e, s] : events_) {
+    if (s.recorded && !s.complete) until = std::max(until, s.due);
+    mark_complete(s);
+  }
+  waited_ += until - now_;
+  now_ = until;
   // Every stream's work queued so far is done, streams without events included.
   synced_through_ = ++record_seq_;
   ++device_syncs_;
@@ -214,6 +231,7 @@ void SimulatedDevice::record_event(EventHandle e, StreamId stream) {
   s.complete = false;
   s.stream = stream;
   s.seq = ++record_seq_;
+  s.due = now_ + lag_;
 }
 
 void SimulatedDevice::mark_complete(EventState& s) {
@@ -227,13 +245,36 @@ void SimulatedDevice::mark_complete(EventState& s) {
 bool SimulatedDevice::query_event(EventHandle e) {
   std::lock_guard<std::mutex> lock(mutex_);
   EventState& s = event(e, "query");
-  if (auto_complete_) mark_complete(s);
+  // Streams run in order: an event is reached once a later one on its stream was.
+  if ((auto_complete_ && now_ >= s.due) || (s.recorded && done_through_[s.stream] >= s.seq)) {
+    mark_complete(s);
+  }
   return s.complete;
 }
 
 void SimulatedDevice::synchronize_event(EventHandle e) {
   std::lock_guard<std::mutex> lock(mutex_);
-  mark_complete(event(e, "synchronize"));  // waiting on it lets the stream get there
+  EventState& s = event(e, "synchronize");
+  if (s.recorded && !s.complete && s.due > now_) {  // the host waits for the device
+    waited_ += s.due - now_;
+    now_ = s.due;
+  }
+  mark_complete(s);  // waiting on it lets the stream get there
+}
+
+void SimulatedDevice::set_lag(std::uint64_t ticks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  lag_ = ticks;
+}
+
+void SimulatedDevice::advance(std::uint64_t ticks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  now_ += ticks;
+}
+
+std::uint64_t SimulatedDevice::ticks_waited() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return waited_;
 }
 
 void SimulatedDevice::set_auto_complete(bool on) {

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -54,6 +55,14 @@ class SimulatedDevice : public Device {
 
   // Test controls.
   void set_auto_complete(bool on);
+  // A device that runs behind the host (with auto_complete): an event completes once the
+  // host's clock has advanced `ticks` past its record; synchronizing waits for it, moving the
+  // clock there. The replay engine advances the clock by one per trace event. 0: at once.
+  void set_lag(std::uint64_t ticks);
+  void advance(std::uint64_t ticks = 1);
+  std::uint64_t ticks_waited() const;  // clock ticks the host spent waiting in synchronizes
+  // Called with the page's address before each unmap_page (a checker's hook; may throw).
+  void set_unmap_hook(std::function<void(std::uintptr_t)> hook);
   // Completes every recorded event on `stream` (all streams when all_streams is true).
   void complete_events(StreamId stream, bool all_streams = false);
   // The next `n` segment allocations fail as if the device were full.
@@ -74,6 +83,7 @@ class SimulatedDevice : public Device {
     bool complete = true;
     StreamId stream = 0;
     std::uint64_t seq = 0;
+    std::uint64_t due = 0;  // clock tick at which a lagging device reaches it
   };
   void mark_complete(EventState& s);
   std::size_t footprint(std::size_t bytes) const;
@@ -98,6 +108,10 @@ class SimulatedDevice : public Device {
   std::uint64_t device_syncs_ = 0;
   std::uint64_t bytes_copied_ = 0;
   std::unordered_map<StreamId, std::uint64_t> done_through_;
+  std::uint64_t now_ = 0;
+  std::uint64_t lag_ = 0;
+  std::uint64_t waited_ = 0;
+  std::function<void(std::uintptr_t)> unmap_hook_;
 };
 
 }  // namespace pymemplan

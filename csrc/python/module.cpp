@@ -181,6 +181,9 @@ PYBIND11_MODULE(_core, m) {
       .def("set_memory_fraction", &Allocator::set_memory_fraction, py::arg("fraction"))
       .def_property_readonly("memory_limit", &Allocator::memory_limit)
       .def("stats", [](const Allocator& a) { return stats_dict(a.stats()); })
+      .def(
+          "unmap_waits", [](const Allocator& a) { return a.stats().num_unmap_waits; },
+          "Page unmaps that waited for a stream's queued work (not a torch statistic; vmm).")
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
       .def("reset_accumulated_stats", &Allocator::reset_accumulated_stats)
       .def("snapshot", [](const Allocator& a) { return snapshot_dict(a.snapshot(), 0); })
@@ -346,18 +349,23 @@ PYBIND11_MODULE(_core, m) {
       "replay",
       [](carray<std::uint8_t> action, carray<std::int64_t> ptr, carray<std::int64_t> size,
          carray<std::int64_t> stream, const std::string& policy, const std::string& config,
-         std::size_t capacity, std::size_t granularity, std::int64_t steady_from) {
+         std::size_t capacity, std::size_t granularity, std::int64_t steady_from,
+         std::uint64_t event_lag) {
         const auto n = static_cast<std::size_t>(action.size());
         if (static_cast<std::size_t>(ptr.size()) != n || static_cast<std::size_t>(size.size()) != n ||
             static_cast<std::size_t>(stream.size()) != n) {
           throw AllocatorError("replay: the trace columns differ in length");
         }
         auto device = std::make_shared<SimulatedDevice>(capacity, granularity, true);
+        device->set_lag(event_lag);
         std::unique_ptr<Allocator> alloc = make_allocator(device, policy, config);
         ReplayResult r;
+        std::function<void()> tick;
+        if (event_lag != 0) tick = [&device] { device->advance(); };
         {
           py::gil_scoped_release release;
-          r = replay(*alloc, action.data(), ptr.data(), size.data(), stream.data(), n, steady_from);
+          r = replay(*alloc, action.data(), ptr.data(), size.data(), stream.data(), n, steady_from,
+                     tick);
         }
         py::dict d;
         d["events"] = r.events;
@@ -374,11 +382,14 @@ PYBIND11_MODULE(_core, m) {
         d["steady_peak_live_bytes"] = r.steady_peak_live_bytes;
         d["steady_device_allocs"] = r.steady_device_allocs;
         d["steady_device_frees"] = r.steady_device_frees;
+        d["unmap_waits"] = r.unmap_waits;
+        d["steady_unmap_waits"] = r.steady_unmap_waits;
+        d["ticks_waited"] = device->ticks_waited();
         return d;
       },
       py::arg("action"), py::arg("ptr"), py::arg("size"), py::arg("stream"),
       py::arg("policy") = "pymemplan", py::arg("config") = "",
       py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = 2 << 20,
-      py::arg("steady_from") = -1,
+      py::arg("steady_from") = -1, py::arg("event_lag") = 0,
       "Replay a trace (parallel arrays) through a policy on a fresh simulated device.");
 }

@@ -41,7 +41,18 @@ class Fuzzer {
         device_(std::make_shared<SimulatedDevice>(o.capacity, 2 << 20, !o.manual_events)),
         alloc_(make_allocator(device_, o.policy, o.config)) {
     if (o.limit) alloc_->set_memory_limit(o.limit);
+    // No page may be unmapped while work queued before the free of a block on it (on the
+    // block's stream, or streams that used it) may still touch it.
+    device_->set_unmap_hook([this](std::uintptr_t page) {
+      auto it = freed_pages_.find(page);
+      if (it == freed_pages_.end()) return;
+      for (const FreedRange& f : it->second) {
+        expect(done(f), "a page was unmapped while work queued before a free on it may touch it");
+      }
+      freed_pages_.erase(it);
+    });
   }
+  ~Fuzzer() { device_->set_unmap_hook(nullptr); }
 
   FuzzReport run() {
     if (o_.periodic) {
@@ -258,6 +269,14 @@ class Fuzzer {
   void expect(bool ok, const char* what) {
     if (!ok) fail(what);
   }
+  // Whether the work queued before a free, on its stream and on streams that used it, is done.
+  bool done(const FreedRange& f) const {
+    if (device_->completed_through(f.owner) <= f.record_count) return false;
+    for (StreamId u : f.uses) {
+      if (device_->completed_through(u) <= f.record_count) return false;
+    }
+    return true;
+  }
 
   std::size_t random_size() {
     // Log-uniform over 1 B .. 64 MiB, with a bias towards the small pool as in real traces.
@@ -346,6 +365,10 @@ class Fuzzer {
     }
     LiveBlock b = live_.at(p);
     const std::uint64_t t = device_->record_count();
+    constexpr std::uintptr_t kPage = 2 << 20;
+    for (std::uintptr_t at = p / kPage * kPage; at < p + alloc_->round_size(b.size); at += kPage) {
+      if (device_->translate(at).first != 0) freed_pages_[at].push_back({p, p, b.stream, b.uses, t});
+    }
     alloc_->free(reinterpret_cast<void*>(p));
     const std::uintptr_t hi = p + alloc_->round_size(b.size);
     take_freed_overlapping(p, hi);  // stale records of memory since reused and freed again
@@ -421,6 +444,11 @@ class Fuzzer {
            "inactive_split_bytes != recount");
     expect(device_->used() >= static_cast<std::size_t>(reserved), "device holds less than reserved");
     physical_check();
+    for (auto it = freed_pages_.begin(); it != freed_pages_.end();) {  // forget what is done
+      auto& v = it->second;
+      v.erase(std::remove_if(v.begin(), v.end(), [&](const FreedRange& f) { return done(f); }), v.end());
+      it = v.empty() ? freed_pages_.erase(it) : std::next(it);
+    }
   }
 
   void drain_to_zero() {
@@ -440,6 +468,7 @@ class Fuzzer {
     expect(device_->live_pages() == 0 && device_->mapped_pages() == 0,
            "a page is still mapped or alive after freeing everything and empty_cache");
     freed_.clear();
+    freed_pages_.clear();
     ++r_.drains_to_zero;
   }
 
@@ -453,6 +482,7 @@ class Fuzzer {
   std::vector<std::uintptr_t> order_;
   std::unordered_map<std::uintptr_t, std::size_t> index_;
   std::map<std::uintptr_t, FreedRange> freed_;
+  std::unordered_map<std::uintptr_t, std::vector<FreedRange>> freed_pages_;  // by page address
   FuzzReport r_;
   // Periodic mode.
   std::vector<ProgramOp> programs_[2], current_;
