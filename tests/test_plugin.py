@@ -279,6 +279,10 @@ VMM_PRELUDE = """
 fake.fakecuda_live_handles.restype = ctypes.c_int
 fake.fakecuda_live_mappings.restype = ctypes.c_int
 fake.fakecuda_live_reservations.restype = ctypes.c_int
+for name in ("map_calls", "set_access_calls", "unmap_calls"):
+    getattr(fake, "fakecuda_" + name).restype = ctypes.c_longlong
+calls = lambda: (fake.fakecuda_map_calls(), fake.fakecuda_set_access_calls(),
+                 fake.fakecuda_unmap_calls())
 """
 
 
@@ -401,6 +405,39 @@ def test_vmm_failing_page_creation_midway_leaves_nothing_mapped():
         ctypes.memset(q, 5, 32 * MiB)
     """)
     assert "cuMemCreate failed: CUDA_ERROR_INVALID_VALUE" in out
+
+
+def test_vmm_maps_and_unmaps_a_run_of_pages_with_one_access_and_one_unmap_call():
+    # cuMemSetAccess updates the device's page tables: one call per run of pages, as torch's
+    # expandable segments make per range, not one per 2 MiB page. Unmapping too.
+    run_vmm("""
+        m0, a0, u0 = calls()
+        p = alloc(30 * MiB)                           # 15 pages in one run
+        assert p, err()
+        assert calls() == (m0 + 15, a0 + 1, u0)       # a cuMemMap per physical page
+        ctypes.memset(p, 3, 30 * MiB)
+        free(p)
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert calls() == (m0 + 15, a0 + 1, u0 + 1)
+        assert fake.fakecuda_live_mappings() == 0 and fake.fakecuda_live_handles(0) == 0
+    """)
+
+
+def test_vmm_failing_map_midway_through_a_run_leaves_nothing_mapped():
+    out = run_vmm("""
+        p = alloc(8 * MiB)
+        assert p, err()
+        fake.fakecuda_fail_map_at(3)                  # the third page of the next run
+        assert alloc(12 * MiB) is None
+        print(err())
+        assert fake.fakecuda_live_handles(0) == 4 and fake.fakecuda_live_mappings() == 4
+        assert fake.fakecuda_bytes_in_use(0) == 8 * MiB == stats()["reserved_bytes.all.current"]
+        q = alloc(12 * MiB)                           # and it still works
+        assert q, err()
+        ctypes.memset(q, 5, 12 * MiB)
+        ctypes.memset(p, 6, 8 * MiB)
+    """)
+    assert "cuMemMap failed: CUDA_ERROR_INVALID_VALUE" in out
 
 
 def test_torch_expandable_segments_run_over_the_driver():

@@ -793,9 +793,7 @@ void CachingAllocator::release_segment(Block* b) {
       synchronize_stream(b->stream);
       ++stats_.num_unmap_waits;
     }
-    for (std::size_t i = 0; i < seg->pages.size(); ++i) {
-      if (seg->pages[i] != 0) unmap_page(seg, i);
-    }
+    unmap_mapped(seg, 0, seg->pages.size());
     device_->release_address(reinterpret_cast<void*>(seg->addr), seg->size);
   } else {
     device_->free_segment(reinterpret_cast<void*>(seg->addr), seg->size);
@@ -935,9 +933,7 @@ std::size_t CachingAllocator::unmap_free_chunks() {
         insert_free(b);
       }
       if (hi < middle->addr + middle->size) insert_free(split(middle, hi));
-      for (std::size_t i = (lo - seg->addr) / page; i < (hi - seg->addr) / page; ++i) {
-        if (seg->pages[i] != 0) unmap_page(seg, i);
-      }
+      unmap_mapped(seg, (lo - seg->addr) / page, (hi - seg->addr) / page);
       released += hi - lo;
       middle->unmapped = true;
       insert_free(coalesce(middle));
@@ -989,58 +985,98 @@ bool CachingAllocator::back(Block* b, std::size_t rounded) {
 }
 
 bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi) {
-  // All or nothing: a page the device refuses (or a driver error) undoes this call's pages.
+  // All or nothing: physical pages for every missing page first (a page the device or the
+  // limit refuses gives them all back), then each run of consecutive ones mapped in one call.
   const std::size_t page = device_->granularity();
-  std::vector<std::size_t> mapped_now;
-  auto undo = [&] {
-    for (std::size_t j : mapped_now) unmap_page(seg, j);
+  std::vector<std::size_t> missing;
+  for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
+    if (seg->pages[i] == 0) missing.push_back(i);
+  }
+  std::vector<PageHandle> handles;
+  auto release_all = [&] {
+    for (PageHandle h : handles) device_->release_page(h);
   };
   try {
-    for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
-      if (seg->pages[i] != 0) continue;
+    for (std::size_t k = 0; k < missing.size(); ++k) {
       PageHandle h = 0;
-      if (limit_ == 0 || static_cast<std::size_t>(reserved_) + page <= limit_) h = device_->create_page();
+      if (limit_ == 0 || static_cast<std::size_t>(reserved_) + (k + 1) * page <= limit_) {
+        h = device_->create_page();
+      }
       if (h == 0) {
-        undo();
+        release_all();
         return false;
       }
-      try {
-        device_->map_page(reinterpret_cast<void*>(seg->addr + i * page), h);
-      } catch (...) {
-        device_->release_page(h);
-        throw;
-      }
-      seg->pages[i] = h;
-      ++seg->mapped;
-      if (seg->users[i] == 0) ++seg->unused_mapped;  // its block is counted once taken
-      mapped_now.push_back(i);
-      reserved_ += static_cast<std::int64_t>(page);
-      reserved_hwm_ = std::max(reserved_hwm_, reserved_);
-      window_hwm_ = std::max(window_hwm_, reserved_);
-      grow_mark_ = std::max(grow_mark_, reserved_);
-      update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
-      // An expandable segment maps whole chunks, each one cuMemCreate + cuMemMap in torch.
-      if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_alloc;
+      handles.push_back(h);
     }
   } catch (...) {
-    undo();
+    release_all();
     throw;
   }
+  auto run_end = [&](std::size_t k) {  // one past the run of consecutive pages from missing[k]
+    std::size_t e = k + 1;
+    while (e < missing.size() && missing[e] == missing[e - 1] + 1) ++e;
+    return e;
+  };
+  std::size_t mapped = 0;  // missing[0, mapped) are mapped, in whole runs
+  try {
+    while (mapped < missing.size()) {
+      const std::size_t e = run_end(mapped);
+      device_->map_pages(reinterpret_cast<void*>(seg->addr + missing[mapped] * page),
+                         &handles[mapped], e - mapped);
+      mapped = e;
+    }
+  } catch (...) {
+    for (std::size_t k = 0; k < mapped;) {  // the runs mapped before the error
+      const std::size_t e = run_end(k);
+      device_->unmap_pages(reinterpret_cast<void*>(seg->addr + missing[k] * page), e - k);
+      k = e;
+    }
+    release_all();
+    throw;
+  }
+  for (std::size_t k = 0; k < missing.size(); ++k) {
+    const std::size_t i = missing[k];
+    seg->pages[i] = handles[k];
+    ++seg->mapped;
+    if (seg->users[i] == 0) ++seg->unused_mapped;  // its block is counted once taken
+    reserved_ += static_cast<std::int64_t>(page);
+    update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
+    // An expandable segment maps whole chunks, each one cuMemCreate + cuMemMap in torch.
+    if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_alloc;
+  }
+  reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  window_hwm_ = std::max(window_hwm_, reserved_);
+  grow_mark_ = std::max(grow_mark_, reserved_);
   return true;
 }
 
-void CachingAllocator::unmap_page(Segment* seg, std::size_t i) {
+void CachingAllocator::unmap_pages(Segment* seg, std::size_t first, std::size_t n) {
   const std::size_t page = device_->granularity();
-  device_->unmap_page(reinterpret_cast<void*>(seg->addr + i * page));
-  device_->release_page(seg->pages[i]);
-  seg->pages[i] = 0;
-  --seg->mapped;
-  if (seg->users[i] == 0) --seg->unused_mapped;
-  seg->freed_by[i] = kAnyStream;  // a page mapped here later is new
-  seg->freed_seq[i] = 0;
-  reserved_ -= static_cast<std::int64_t>(page);
-  update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
-  if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_free;
+  device_->unmap_pages(reinterpret_cast<void*>(seg->addr + first * page), n);
+  for (std::size_t i = first; i < first + n; ++i) {
+    device_->release_page(seg->pages[i]);
+    seg->pages[i] = 0;
+    --seg->mapped;
+    if (seg->users[i] == 0) --seg->unused_mapped;
+    seg->freed_by[i] = kAnyStream;  // a page mapped here later is new
+    seg->freed_seq[i] = 0;
+    reserved_ -= static_cast<std::int64_t>(page);
+    update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
+    if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_free;
+  }
+}
+
+void CachingAllocator::unmap_mapped(Segment* seg, std::size_t from, std::size_t to) {
+  for (std::size_t i = from; i < to;) {
+    if (seg->pages[i] == 0) {
+      ++i;
+      continue;
+    }
+    std::size_t e = i + 1;
+    while (e < to && seg->pages[e] != 0) ++e;
+    unmap_pages(seg, i, e - i);
+    i = e;
+  }
 }
 
 bool CachingAllocator::count_use(const Block* b, int delta) {
@@ -1190,8 +1226,14 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
         synchronize_stream(s);
         ++stats_.num_unmap_waits;
       }
-      for (; k < victims.size() && victims[k].seg == seg; ++k) {
-        unmap_page(seg, (victims[k].addr - seg->addr) / page);
+      while (k < victims.size() && victims[k].seg == seg) {  // runs of consecutive pages
+        std::size_t e = k + 1;
+        while (e < victims.size() && victims[e].seg == seg &&
+               victims[e].addr == victims[e - 1].addr + page) {
+          ++e;
+        }
+        unmap_pages(seg, (victims[k].addr - seg->addr) / page, e - k);
+        k = e;
       }
     }
     reclaimed += n * page;

@@ -209,7 +209,10 @@ class CachingAllocator : public Allocator {
   // stream and free_seq are noted on them (Segment::freed_by). Returns whether a mapped page
   // was left without users.
   bool count_use(const Block* b, int delta);
-  void unmap_page(Segment* seg, std::size_t index);
+  // Unmaps pages [first, first + n) of `seg` (all mapped) in one device call, and releases
+  // them; unmap_mapped: the mapped ones of [from, to), run by run.
+  void unmap_pages(Segment* seg, std::size_t first, std::size_t n);
+  void unmap_mapped(Segment* seg, std::size_t from, std::size_t to);
   void synchronize_stream(StreamId stream);
   // Unmapping a page must not race work queued on it, but waiting for a whole stream
   // (synchronize_stream) stalls the host. An epoch is an event recorded on a stream right

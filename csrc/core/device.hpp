@@ -53,6 +53,11 @@ class Device {
   // writing. unmap_page does not wait for queued work: the caller synchronizes first.
   virtual void map_page(void* addr, PageHandle page);
   virtual void unmap_page(void* addr);
+  // A run of n pages: pages[k] at addr + k * granularity(). All or nothing: when map_pages
+  // throws, none of them is mapped. The defaults go page by page; on CUDA a run costs one
+  // cuMemSetAccess and one cuMemUnmap, as a range of torch's expandable segments does.
+  virtual void map_pages(void* addr, const PageHandle* pages, std::size_t n);
+  virtual void unmap_pages(void* addr, std::size_t n);
 
   // --- Page sharing (optional, with vmm): one physical page mapped at several addresses
   // (map_page of a page already mapped elsewhere; release_page once it is mapped nowhere),

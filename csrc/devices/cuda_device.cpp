@@ -235,6 +235,34 @@ void CudaDevice::unmap_page(void* addr) {
   driver_.check(driver_.cuMemUnmap(device_ptr(addr), granularity_), "cuMemUnmap");
 }
 
+void CudaDevice::map_pages(void* addr, const PageHandle* pages, std::size_t n) {
+  // Each physical page is its own allocation: one cuMemMap each, then one cuMemSetAccess for
+  // the run (the costly call: it updates the device's page tables).
+  InContext in(*this);
+  const CUdeviceptr base = device_ptr(addr);
+  CUresult r = CUDA_SUCCESS;
+  const char* call = "cuMemMap";
+  std::size_t k = 0;
+  while (k < n) {
+    r = driver_.cuMemMap(base + k * granularity_, granularity_, 0,
+                         static_cast<CUmemGenericAllocationHandle>(pages[k]), 0);
+    if (r != CUDA_SUCCESS) break;
+    ++k;
+  }
+  if (r == CUDA_SUCCESS) {
+    call = "cuMemSetAccess";
+    r = driver_.cuMemSetAccess(base, n * granularity_, access_.data(), access_.size());
+    if (r == CUDA_SUCCESS) return;
+  }
+  if (k != 0) driver_.cuMemUnmap(base, k * granularity_);  // leave nothing half-mapped
+  driver_.check(r, call);
+}
+
+void CudaDevice::unmap_pages(void* addr, std::size_t n) {
+  InContext in(*this);
+  driver_.check(driver_.cuMemUnmap(device_ptr(addr), n * granularity_), "cuMemUnmap");
+}
+
 void CudaDevice::synchronize_device() {
   InContext in(*this);
   driver_.check(driver_.cuCtxSynchronize(), "cuCtxSynchronize");

@@ -41,6 +41,8 @@ class CudaDevice : public Device {
   void release_page(PageHandle page) override;
   void map_page(void* addr, PageHandle page) override;
   void unmap_page(void* addr) override;
+  void map_pages(void* addr, const PageHandle* pages, std::size_t n) override;
+  void unmap_pages(void* addr, std::size_t n) override;
   // Page sharing: cuCtxSynchronize, and cuMemcpyDtoD followed by one (the copy may return
   // before it completes). cuCtxSynchronize fails during a CUDA graph capture.
   bool supports_page_sharing() const override { return vmm_ && driver_.has_page_sharing(); }

@@ -116,6 +116,7 @@ struct Settings {
   std::size_t capacity = kDefaultCapacity;
   int fail_alloc_countdown = 0;  // 0: disarmed
   int fail_create_countdown = 0;
+  int fail_map_countdown = 0;
   int fail_record_countdown = 0;  // cuEventRecord: CUDA_ERROR_INVALID_HANDLE, as for a stream of another context
   int fail_error = CUDA_ERROR_OUT_OF_MEMORY;
   int event_delay = 0;
@@ -139,6 +140,7 @@ struct State {
   long long num_frees = 0;
   long long ctx_synchronizations = 0;
   long long bytes_copied = 0;
+  long long map_calls = 0, set_access_calls = 0, unmap_calls = 0;
   std::map<std::uintptr_t, Allocation> allocations;
   std::unordered_set<CUevent_st*> events;
   // Streams made by fakecuda_stream_create, with their device. Any other non-null value is
@@ -223,6 +225,7 @@ void reset_locked(State& s) {
   s.num_frees = 0;
   s.ctx_synchronizations = 0;
   s.bytes_copied = 0;
+  s.map_calls = s.set_access_calls = s.unmap_calls = 0;
   s.next_handle = 1;
 }
 
@@ -815,6 +818,8 @@ FAKECUDA_DRIVER CUresult cuMemMap(CUdeviceptr ptr, std::size_t size, std::size_t
                                   unsigned long long flags) {
   State& s = state();
   REQUIRE_INIT(s);
+  ++s.map_calls;
+  if (injected_failure(s.settings.fail_map_countdown)) return CUDA_ERROR_INVALID_VALUE;
   const auto base = static_cast<std::uintptr_t>(ptr);
   if (flags != 0 || offset != 0 || size == 0 || size % kGranularity != 0 ||
       base % kGranularity != 0) {
@@ -837,6 +842,7 @@ FAKECUDA_DRIVER CUresult cuMemMap(CUdeviceptr ptr, std::size_t size, std::size_t
 FAKECUDA_DRIVER CUresult cuMemUnmap(CUdeviceptr ptr, std::size_t size) {
   State& s = state();
   REQUIRE_INIT(s);
+  ++s.unmap_calls;
   const auto base = static_cast<std::uintptr_t>(ptr);
   const std::uintptr_t end = base + size;
   // The range must consist of whole mappings, one after another.
@@ -865,6 +871,7 @@ FAKECUDA_DRIVER CUresult cuMemSetAccess(CUdeviceptr ptr, std::size_t size, const
                                         std::size_t count) {
   State& s = state();
   REQUIRE_INIT(s);
+  ++s.set_access_calls;
   const auto base = static_cast<std::uintptr_t>(ptr);
   if (desc == nullptr || count == 0 || size == 0 || base % page_size() != 0 ||
       size % page_size() != 0) {
@@ -1026,6 +1033,30 @@ void fakecuda_fail_create_at(int n) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.settings.fail_create_countdown = n > 0 ? n : 0;
+}
+
+void fakecuda_fail_map_at(int n) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.settings.fail_map_countdown = n > 0 ? n : 0;
+}
+
+long long fakecuda_map_calls(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.map_calls;
+}
+
+long long fakecuda_set_access_calls(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.set_access_calls;
+}
+
+long long fakecuda_unmap_calls(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.unmap_calls;
 }
 
 void fakecuda_set_event_delay(int k) {

@@ -65,6 +65,8 @@ FAKECUDA_API void fakecuda_fail_create_at(int n);
 /* The n-th cuEventRecord call from now fails once with CUDA_ERROR_INVALID_HANDLE, as the
  * driver answers for a stream of another context (another device). n <= 0 disarms. */
 FAKECUDA_API void fakecuda_fail_record_at(int n);
+/* The n-th cuMemMap call from now fails once with CUDA_ERROR_INVALID_VALUE. n <= 0 disarms. */
+FAKECUDA_API void fakecuda_fail_map_at(int n);
 /* A stream of `device`'s primary context (an opaque handle, nothing runs on it).
  * cuStreamGetCtx reports that context for it, and cuEventRecord refuses, with
  * CUDA_ERROR_INVALID_HANDLE, an event created in another context, as the driver does.
@@ -97,6 +99,10 @@ FAKECUDA_API int fakecuda_pending_events(void);
 /* cuCtxSynchronize calls, and bytes copied by cuMemcpyDtoD, since the last reset. */
 FAKECUDA_API long long fakecuda_ctx_synchronizations(void);
 FAKECUDA_API long long fakecuda_bytes_copied(void);
+/* cuMemMap, cuMemSetAccess and cuMemUnmap calls (successful or not) since the last reset. */
+FAKECUDA_API long long fakecuda_map_calls(void);
+FAKECUDA_API long long fakecuda_set_access_calls(void);
+FAKECUDA_API long long fakecuda_unmap_calls(void);
 
 /* Virtual-memory counters: physical handles not yet released and unmapped (of one device),
  * mapped ranges, address reservations not yet freed. */
