@@ -279,7 +279,7 @@ VMM_PRELUDE = """
 fake.fakecuda_live_handles.restype = ctypes.c_int
 fake.fakecuda_live_mappings.restype = ctypes.c_int
 fake.fakecuda_live_reservations.restype = ctypes.c_int
-for name in ("map_calls", "set_access_calls", "unmap_calls"):
+for name in ("create_calls", "map_calls", "set_access_calls", "unmap_calls"):
     getattr(fake, "fakecuda_" + name).restype = ctypes.c_longlong
 calls = lambda: (fake.fakecuda_map_calls(), fake.fakecuda_set_access_calls(),
                  fake.fakecuda_unmap_calls())
@@ -420,6 +420,26 @@ def test_vmm_maps_and_unmaps_a_run_of_pages_with_one_access_and_one_unmap_call()
         assert lib.pymemplan_empty_cache(0) == 0
         assert calls() == (m0 + 15, a0 + 1, u0 + 1)
         assert fake.fakecuda_live_mappings() == 0 and fake.fakecuda_live_handles(0) == 0
+    """)
+
+
+def test_vmm_moves_physical_pages_without_releasing_and_creating_them_again():
+    # At its peak, vmm unmaps unused pages to map them behind a new request: the physical
+    # pages themselves move (cuMemUnmap + cuMemMap), no cuMemRelease + cuMemCreate each.
+    run_vmm("""
+        fake.fakecuda_create_calls.restype = ctypes.c_longlong
+        x = alloc(16 * MiB)
+        keep = alloc(4 * MiB)
+        free(x)                                       # 8 pages unused, 10 held: the peak
+        c0 = fake.fakecuda_create_calls()
+        y = alloc(18 * MiB)                           # fits only above x's place
+        assert y, err()
+        ctypes.memset(y, 7, 18 * MiB)
+        assert fake.fakecuda_create_calls() == c0 + 1  # 8 pages moved, 1 new
+        assert fake.fakecuda_live_handles(0) == 11 == stats()["reserved_bytes.all.current"] // (2 * MiB)
+        free(y); free(keep)
+        assert lib.pymemplan_empty_cache(0) == 0
+        assert fake.fakecuda_live_handles(0) == 0 and fake.fakecuda_bytes_in_use(0) == 0
     """)
 
 

@@ -970,13 +970,23 @@ bool CachingAllocator::back(Block* b, std::size_t rounded) {
   }
   if (missing == 0) return true;
   const auto need = static_cast<std::int64_t>(missing * page);
-  if (reserved_ + need > grow_mark_) {
-    // ours: unused pages under free blocks, then cached segments, go back before the peak rises.
-    const auto over = static_cast<std::size_t>(reserved_ + need - grow_mark_);
-    const std::size_t got = reclaim_pages(seg, lo, hi, over);
-    if (got < over && config_.release_before_grow) release_cached(over - got);
+  bool mapped = false;
+  try {
+    if (reserved_ + need > grow_mark_) {
+      // ours: unused pages under free blocks, then cached segments, go back before the peak
+      // rises. The physical pages unmapped are kept, to be mapped here (no cuMemRelease +
+      // cuMemCreate per page moved).
+      const auto over = static_cast<std::size_t>(reserved_ + need - grow_mark_);
+      const std::size_t got = reclaim_pages(seg, lo, hi, over, true);
+      if (got < over && config_.release_before_grow) release_cached(over - got);
+    }
+    mapped = map_pages(seg, lo, hi);
+  } catch (...) {
+    release_spares();
+    throw;
   }
-  if (map_pages(seg, lo, hi)) return true;
+  release_spares();
+  if (mapped) return true;
   synchronize_and_free_events();
   reclaim_pages(seg, lo, hi, kNoLimit);
   release_cached(kNoLimit);
@@ -992,14 +1002,21 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
   for (std::size_t i = (lo - seg->addr) / page; i <= (hi - 1 - seg->addr) / page; ++i) {
     if (seg->pages[i] == 0) missing.push_back(i);
   }
+  // Pages a reclaim just unmapped for this (spare_pages_) first: they are held already.
   std::vector<PageHandle> handles;
+  while (handles.size() < missing.size() && !spare_pages_.empty()) {
+    handles.push_back(spare_pages_.back());
+    spare_pages_.pop_back();
+  }
+  const std::size_t spares = handles.size();
   auto release_all = [&] {
-    for (PageHandle h : handles) device_->release_page(h);
+    spare_pages_.insert(spare_pages_.end(), handles.begin(), handles.begin() + static_cast<std::ptrdiff_t>(spares));
+    for (std::size_t k = spares; k < handles.size(); ++k) device_->release_page(handles[k]);
   };
   try {
-    for (std::size_t k = 0; k < missing.size(); ++k) {
+    for (std::size_t k = spares; k < missing.size(); ++k) {
       PageHandle h = 0;
-      if (limit_ == 0 || static_cast<std::size_t>(reserved_) + (k + 1) * page <= limit_) {
+      if (limit_ == 0 || static_cast<std::size_t>(reserved_) + (k - spares + 1) * page <= limit_) {
         h = device_->create_page();
       }
       if (h == 0) {
@@ -1039,8 +1056,10 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
     seg->pages[i] = handles[k];
     ++seg->mapped;
     if (seg->users[i] == 0) ++seg->unused_mapped;  // its block is counted once taken
-    reserved_ += static_cast<std::int64_t>(page);
-    update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
+    if (k >= spares) {  // a spare is held (and counted) already
+      reserved_ += static_cast<std::int64_t>(page);
+      update_stat(&Stats::reserved_bytes, seg->small, static_cast<std::int64_t>(page));
+    }
     // An expandable segment maps whole chunks, each one cuMemCreate + cuMemMap in torch.
     if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_alloc;
   }
@@ -1050,20 +1069,34 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
   return true;
 }
 
-void CachingAllocator::unmap_pages(Segment* seg, std::size_t first, std::size_t n) {
+void CachingAllocator::unmap_pages(Segment* seg, std::size_t first, std::size_t n, bool spare) {
   const std::size_t page = device_->granularity();
   device_->unmap_pages(reinterpret_cast<void*>(seg->addr + first * page), n);
   for (std::size_t i = first; i < first + n; ++i) {
-    device_->release_page(seg->pages[i]);
+    if (spare) {
+      spare_pages_.push_back(seg->pages[i]);
+    } else {
+      device_->release_page(seg->pages[i]);
+      reserved_ -= static_cast<std::int64_t>(page);
+      update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
+    }
     seg->pages[i] = 0;
     --seg->mapped;
     if (seg->users[i] == 0) --seg->unused_mapped;
     seg->freed_by[i] = kAnyStream;  // a page mapped here later is new
     seg->freed_seq[i] = 0;
-    reserved_ -= static_cast<std::int64_t>(page);
-    update_stat(&Stats::reserved_bytes, seg->small, -static_cast<std::int64_t>(page));
     if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_free;
   }
+}
+
+void CachingAllocator::release_spares() {
+  const std::size_t page = device_->granularity();
+  for (PageHandle h : spare_pages_) {
+    device_->release_page(h);
+    reserved_ -= static_cast<std::int64_t>(page);
+    update_stat(&Stats::reserved_bytes, false, -static_cast<std::int64_t>(page));
+  }
+  spare_pages_.clear();
 }
 
 void CachingAllocator::unmap_mapped(Segment* seg, std::size_t from, std::size_t to) {
@@ -1154,7 +1187,7 @@ void CachingAllocator::synchronize_epochs() {
 }
 
 std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t keep_lo,
-                                            std::uintptr_t keep_hi, std::size_t want) {
+                                            std::uintptr_t keep_hi, std::size_t want, bool spare) {
   // Unmaps pages no live block touches (but those under [keep_lo, keep_hi) of `keep`, about
   // to be used) and gives them back to the device, until `want` bytes are reclaimed. The
   // pool's segments go first, arenas last: their free pages will serve the plan again.
@@ -1232,7 +1265,7 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
                victims[e].addr == victims[e - 1].addr + page) {
           ++e;
         }
-        unmap_pages(seg, (victims[k].addr - seg->addr) / page, e - k);
+        unmap_pages(seg, (victims[k].addr - seg->addr) / page, e - k, spare);
         k = e;
       }
     }

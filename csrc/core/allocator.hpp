@@ -203,15 +203,17 @@ class CachingAllocator : public Allocator {
   Block* new_virtual_segment(std::size_t rounded, StreamId stream);
   bool back(Block* block, std::size_t rounded);
   bool map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
+  // spare: the physical pages unmapped are kept in spare_pages_ rather than released.
   std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                            std::size_t want);
+                            std::size_t want, bool spare = false);
   // Counts `b` (a block of a virtual segment) in or out of the users of its pages; out, its
   // stream and free_seq are noted on them (Segment::freed_by). Returns whether a mapped page
   // was left without users.
   bool count_use(const Block* b, int delta);
   // Unmaps pages [first, first + n) of `seg` (all mapped) in one device call, and releases
   // them; unmap_mapped: the mapped ones of [from, to), run by run.
-  void unmap_pages(Segment* seg, std::size_t first, std::size_t n);
+  void unmap_pages(Segment* seg, std::size_t first, std::size_t n, bool spare = false);
+  void release_spares();
   void unmap_mapped(Segment* seg, std::size_t from, std::size_t to);
   void synchronize_stream(StreamId stream);
   // Unmapping a page must not race work queued on it, but waiting for a whole stream
@@ -310,6 +312,9 @@ class CachingAllocator : public Allocator {
   std::vector<EventHandle> event_pool_;
   std::vector<StreamId> draining_;  // streams with a drain event in flight
   std::vector<Epoch> epochs_;       // in flight, at most one per stream
+  // Physical pages unmapped to be mapped again at once elsewhere (back()); held, counted in
+  // reserved_, and released before the allocator lock is let go.
+  std::vector<PageHandle> spare_pages_;
   std::unordered_map<StreamId, std::uint64_t> idle_through_;    // frees up to this seq: done
   std::unordered_map<StreamId, std::uint64_t> last_idle_free_;  // last free leaving a page unused
   std::vector<Block*> block_pool_;

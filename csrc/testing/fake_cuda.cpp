@@ -140,7 +140,7 @@ struct State {
   long long num_frees = 0;
   long long ctx_synchronizations = 0;
   long long bytes_copied = 0;
-  long long map_calls = 0, set_access_calls = 0, unmap_calls = 0;
+  long long create_calls = 0, map_calls = 0, set_access_calls = 0, unmap_calls = 0;
   std::map<std::uintptr_t, Allocation> allocations;
   std::unordered_set<CUevent_st*> events;
   // Streams made by fakecuda_stream_create, with their device. Any other non-null value is
@@ -225,7 +225,7 @@ void reset_locked(State& s) {
   s.num_frees = 0;
   s.ctx_synchronizations = 0;
   s.bytes_copied = 0;
-  s.map_calls = s.set_access_calls = s.unmap_calls = 0;
+  s.create_calls = s.map_calls = s.set_access_calls = s.unmap_calls = 0;
   s.next_handle = 1;
 }
 
@@ -767,6 +767,7 @@ FAKECUDA_DRIVER CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, std::
                                      const void* prop, unsigned long long flags) {
   State& s = state();
   REQUIRE_INIT(s);
+  ++s.create_calls;
   if (handle == nullptr || prop == nullptr || flags != 0 || size == 0 ||
       size % kGranularity != 0) {
     return CUDA_ERROR_INVALID_VALUE;
@@ -1039,6 +1040,12 @@ void fakecuda_fail_map_at(int n) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.settings.fail_map_countdown = n > 0 ? n : 0;
+}
+
+long long fakecuda_create_calls(void) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.create_calls;
 }
 
 long long fakecuda_map_calls(void) {

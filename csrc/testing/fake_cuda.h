@@ -99,7 +99,9 @@ FAKECUDA_API int fakecuda_pending_events(void);
 /* cuCtxSynchronize calls, and bytes copied by cuMemcpyDtoD, since the last reset. */
 FAKECUDA_API long long fakecuda_ctx_synchronizations(void);
 FAKECUDA_API long long fakecuda_bytes_copied(void);
-/* cuMemMap, cuMemSetAccess and cuMemUnmap calls (successful or not) since the last reset. */
+/* cuMemCreate, cuMemMap, cuMemSetAccess and cuMemUnmap calls (successful or not) since the
+ * last reset. */
+FAKECUDA_API long long fakecuda_create_calls(void);
 FAKECUDA_API long long fakecuda_map_calls(void);
 FAKECUDA_API long long fakecuda_set_access_calls(void);
 FAKECUDA_API long long fakecuda_unmap_calls(void);
