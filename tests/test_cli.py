@@ -110,6 +110,26 @@ def test_replay_counts_driver_calls_from_the_steady_state_on():
         assert r.steady_device_calls <= r.device_allocs + r.device_frees
 
 
+def test_replay_on_a_lagging_device_counts_the_unmaps_that_wait():
+    import numpy as np
+    from pymemplan import _core
+
+    MiB = 1 << 20
+    # Free 8 pages, then ask for 9 that fit only above them: at its peak, vmm moves the 8
+    # freed pages. On a device `lag` events behind, the work queued before the free is done
+    # only `lag` events after it: earlier, unmapping waits (and the host with it) for the
+    # event recorded after the free, not for the stream's whole queue.
+    def trace(gap):
+        ev = [(0, 1, 16 * MiB), (0, 2, 4 * MiB), (1, 1, 0)] + [(2, 9, 1)] * gap + [(0, 3, 18 * MiB)]
+        cols = list(zip(*ev))
+        return (np.array(cols[0], np.uint8), np.array(cols[1], np.int64),
+                np.array(cols[2], np.int64), np.zeros(len(ev), np.int64))
+    for gap, lag, waits, waited in ((0, 0, 0, 0), (0, 8, 1, 7), (8, 8, 0, 0), (4, 8, 1, 3)):
+        r = _core.replay(*trace(gap), "pymemplan-vmm", "", 1 << 30, 2 * MiB, -1, lag)
+        assert (r["unmap_waits"], r["ticks_waited"]) == (waits, waited), (gap, lag)
+        assert r["peak_reserved_bytes"] == 22 * MiB  # the pages moved either way
+
+
 def test_console_script_and_module_entry_points():
     r = subprocess.run([sys.executable, "-m", "pymemplan", "replay", "--json",
                         str(DATA / "cnn_sgd.csv.gz"), "--policy", "nocache"],

@@ -1140,8 +1140,12 @@ bool CachingAllocator::page_idle(const Segment* seg, std::size_t i) const {
   const StreamId s = seg->freed_by[i];
   if (s == kAnyStream) return true;
   if (s == kSeveralStreams) return false;
-  auto it = idle_through_.find(s);
-  return it != idle_through_.end() && seg->freed_seq[i] <= it->second;
+  return page_idle_through(s, seg->freed_seq[i]);
+}
+
+bool CachingAllocator::page_idle_through(StreamId stream, std::uint64_t seq) const {
+  auto it = idle_through_.find(stream);
+  return it != idle_through_.end() && seq <= it->second;
 }
 
 void CachingAllocator::start_epoch(StreamId stream) {
@@ -1238,25 +1242,38 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     for (std::size_t k = 0; k < victims.size();) {
       Segment* seg = victims[k].seg;
       // Work queued before the frees that left these pages unused may still touch them: the
-      // streams not known done are waited for (once: then they are known done).
-      std::vector<StreamId> owners;
-      auto wait_for = [&](StreamId s) {
-        if (std::find(owners.begin(), owners.end(), s) == owners.end()) owners.push_back(s);
+      // streams not known done are waited for, up to the newest such free (an epoch in flight
+      // recorded after it is enough; else the stream's whole queue).
+      std::vector<std::pair<StreamId, std::uint64_t>> owners;
+      auto wait_for = [&](StreamId s, std::uint64_t seq) {
+        auto it = std::find_if(owners.begin(), owners.end(), [&](const auto& o) { return o.first == s; });
+        if (it == owners.end()) {
+          owners.emplace_back(s, seq);
+        } else {
+          it->second = std::max(it->second, seq);
+        }
       };
       for (std::size_t j = k; j < victims.size() && victims[j].seg == seg; ++j) {
         const std::size_t i = (victims[j].addr - seg->addr) / page;
         if (page_idle(seg, i)) continue;
         if (seg->freed_by[i] != kSeveralStreams) {
-          wait_for(seg->freed_by[i]);
+          wait_for(seg->freed_by[i], seg->freed_seq[i]);
           continue;
         }
         // Users freed on several streams: every owner of a free block of the segment.
         for (const Block* b = seg->head; b != nullptr; b = b->next) {
-          if (b->is_free() && b->stream != kAnyStream) wait_for(b->stream);
+          if (b->is_free() && b->stream != kAnyStream) wait_for(b->stream, free_seq_);
         }
       }
-      for (StreamId s : owners) {
-        synchronize_stream(s);
+      for (const auto& [s, seq] : owners) {
+        if (page_idle_through(s, seq)) continue;  // a wait for another stream got there
+        auto e = std::find_if(epochs_.begin(), epochs_.end(), [&](const Epoch& x) { return x.stream == s; });
+        if (e != epochs_.end() && e->seq >= seq) {
+          device_->synchronize_event(e->event);
+          poll_epochs();
+        } else {
+          synchronize_stream(s);
+        }
         ++stats_.num_unmap_waits;
       }
       while (k < victims.size() && victims[k].seg == seg) {  // runs of consecutive pages

@@ -226,6 +226,7 @@ class CachingAllocator : public Allocator {
     std::uint64_t seq;
   };
   bool page_idle(const Segment* seg, std::size_t index) const;
+  bool page_idle_through(StreamId stream, std::uint64_t seq) const;  // frees up to seq done
   void start_epoch(StreamId stream);
   void poll_epochs();
   void synchronize_epochs();
