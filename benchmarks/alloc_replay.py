@@ -19,7 +19,9 @@ policies had not met before they were recorded; so are `gpt2_6l_generate` (infer
 growing key/value cache), `llama_4l_lora` (a few projections of a frozen decoder trained) and
 `vit_varbatch` (batches of varying size); `gpt2_4l_eval` and `resnet18_eval` validate every
 third step at twice the batch, as training loops do. Each verdict carries the page floor: the peak
-live bytes rounded up to whole 2 MiB pages, below which no allocator can go.
+live bytes rounded up to whole 2 MiB pages, below which no allocator can go. Driver calls are
+counted over the last third of each trace, and the unmaps that wait for a stream's queued work
+on a simulated device 64 events behind the host (late_unmap_waits, host_wait_events).
 Writes benchmarks/results/alloc_replay.json.
 """
 
@@ -38,6 +40,9 @@ HERE = Path(__file__).resolve().parent
 TRACE_DIR = HERE / "traces"
 RESULT = HERE / "results" / "alloc_replay.json"
 PAGE = 2 << 20  # the simulated device's granularity, as on current NVIDIA GPUs
+# For the waits: a device that runs this many trace events behind the host (events recorded
+# by the allocator complete that much later; a synchronize waits for them).
+LAG = 64
 # PyTorch's allocator as it is, and with expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF),
 # its own answer to fragmentation.
 EXPANDABLE = "torch=expandable_segments:True"
@@ -643,6 +648,16 @@ def main() -> int:
                                 *parse_policy(r["policy"]), parse_bytes(args.capacity), PAGE,
                                 2 * len(trace) // 3)
             r["late_device_calls"] = late["steady_device_allocs"] + late["steady_device_frees"]
+            # Unmapping a page waits for the work queued on it; the vmm policies wait only
+            # where no event recorded after the free has completed. Measured on a device
+            # LAG events behind the host: waits over the last third, and the host's wait (in
+            # events) over the whole trace.
+            lagging = _core.replay(trace.action, trace.ptr, trace.size, trace.stream,
+                                   *parse_policy(r["policy"]), parse_bytes(args.capacity), PAGE,
+                                   2 * len(trace) // 3, LAG)
+            r["late_unmap_waits"] = lagging["steady_unmap_waits"]
+            r["late_page_unmaps"] = lagging["steady_device_frees"]
+            r["host_wait_events"] = lagging["ticks_waited"]
         for r in results:
             # Timing on a shared machine is noisy: the best of --timing-runs runs. Planning (the
             # one-off cost of computing plans) is reported apart from serving requests.
@@ -765,6 +780,15 @@ def main() -> int:
           "mapped and unmapped) over the last third of each trace, once its steps repeat:\n")
     print(table(["trace"] + [f"last third: {short(p)}" for p in cap],
                 lambda n: [n] + [f"{by[(n, p)]['late_device_calls']:,}" for p in cap]))
+    vm = [p for p in cap if p in ("pymemplan-vmm", "pymemplan-planned")]
+    print(f"\nUnmapping pages, on a device {LAG} events behind the host: waits for a stream's "
+          "queued work over the last third (of the unmaps then), and the host's total wait "
+          "in events:\n")
+    print(table(["trace"] + [f"waits/unmaps: {short(p)}" for p in vm]
+                + [f"host wait: {short(p)}" for p in vm],
+                lambda n: [n] + [f"{by[(n, p)]['late_unmap_waits']:,}/{by[(n, p)]['late_page_unmaps']:,}"
+                                 for p in vm]
+                + [f"{by[(n, p)]['host_wait_events']:,}" for p in vm]))
     if "pymemplan-planned" in policies:
         print("\npymemplan-planned: requests served from a plan (in holes of the pool among "
               "them) and by the pool, pages given back by sharing (share_pages), packing of the "

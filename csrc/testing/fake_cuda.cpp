@@ -982,6 +982,18 @@ FAKECUDA_DRIVER CUresult cuGetProcAddress(const char* symbol, void** pfn, int cu
 
 // ------------------------------------------------------------------------- control API
 
+namespace {
+
+// A counter read under the state's lock.
+template <class F>
+auto locked(F read) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return read(s);
+}
+
+}  // namespace
+
 extern "C" {
 
 void fakecuda_reset(void) {
@@ -1043,27 +1055,19 @@ void fakecuda_fail_map_at(int n) {
 }
 
 long long fakecuda_create_calls(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.create_calls;
+  return locked([&](State& s) { return s.create_calls; });
 }
 
 long long fakecuda_map_calls(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.map_calls;
+  return locked([&](State& s) { return s.map_calls; });
 }
 
 long long fakecuda_set_access_calls(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.set_access_calls;
+  return locked([&](State& s) { return s.set_access_calls; });
 }
 
 long long fakecuda_unmap_calls(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.unmap_calls;
+  return locked([&](State& s) { return s.unmap_calls; });
 }
 
 void fakecuda_set_event_delay(int k) {
@@ -1093,45 +1097,31 @@ void fakecuda_complete_all(void) {
 }
 
 size_t fakecuda_bytes_in_use(int device) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return device >= 0 && device < kMaxDevices ? s.bytes_in_use[device] : 0;
+  return locked([&](State& s) { return device >= 0 && device < kMaxDevices ? s.bytes_in_use[device] : 0; });
 }
 
 int fakecuda_live_allocations(int device) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return device >= 0 && device < kMaxDevices ? s.live_allocations[device] : 0;
+  return locked([&](State& s) { return device >= 0 && device < kMaxDevices ? s.live_allocations[device] : 0; });
 }
 
 long long fakecuda_num_allocs(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.num_allocs;
+  return locked([&](State& s) { return s.num_allocs; });
 }
 
 long long fakecuda_ctx_synchronizations(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.ctx_synchronizations;
+  return locked([&](State& s) { return s.ctx_synchronizations; });
 }
 
 long long fakecuda_bytes_copied(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.bytes_copied;
+  return locked([&](State& s) { return s.bytes_copied; });
 }
 
 long long fakecuda_num_frees(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.num_frees;
+  return locked([&](State& s) { return s.num_frees; });
 }
 
 int fakecuda_live_events(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return static_cast<int>(s.events.size());
+  return locked([&](State& s) { return static_cast<int>(s.events.size()); });
 }
 
 int fakecuda_pending_events(void) {
@@ -1143,9 +1133,7 @@ int fakecuda_pending_events(void) {
 }
 
 int fakecuda_live_handles(int device) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return device >= 0 && device < kMaxDevices ? s.live_handles[device] : 0;
+  return locked([&](State& s) { return device >= 0 && device < kMaxDevices ? s.live_handles[device] : 0; });
 }
 
 void fakecuda_set_vmm_supported(int on) {
@@ -1183,27 +1171,19 @@ unsigned long long fakecuda_access_mask(const void* ptr) {
 }
 
 int fakecuda_live_mappings(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return static_cast<int>(s.mappings.size());
+  return locked([&](State& s) { return static_cast<int>(s.mappings.size()); });
 }
 
 int fakecuda_live_reservations(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return static_cast<int>(s.reservations.size());
+  return locked([&](State& s) { return static_cast<int>(s.reservations.size()); });
 }
 
 int fakecuda_primary_ctx_refcount(int device) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return device >= 0 && device < kMaxDevices ? s.ctx_refcount[device] : 0;
+  return locked([&](State& s) { return device >= 0 && device < kMaxDevices ? s.ctx_refcount[device] : 0; });
 }
 
 int fakecuda_initialized(void) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.initialized ? 1 : 0;
+  return locked([&](State& s) { return s.initialized ? 1 : 0; });
 }
 
 }  // extern "C"
