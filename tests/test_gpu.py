@@ -122,3 +122,36 @@ def test_share_pages_keeps_tensor_contents_under_queued_work():
         torch.cuda.synchronize()
         assert bool((kept[0] == 99).all()) and bool((kept[1] == 17 + 1).all())
     """)
+
+
+def test_vmm_moves_pages_under_queued_work_without_faults():
+    """At its peak, vmm unmaps idle pages to map them behind a new request. A page may go
+    only once the kernels queued before its tensor was freed are done (an event after the
+    free, or a wait): here every tensor is freed while a kernel still writes it, and the next
+    request moves its pages. Unmapped too early, the kernel faults or another tensor's bytes
+    change; the sums below would differ."""
+    out = run("""
+        import pymemplan, torch
+        pymemplan.enable(policy="pymemplan-vmm")
+        MiB = 1 << 20
+        acc = torch.zeros(1, dtype=torch.float64, device="cuda")
+        p = torch.empty(5 * MiB, device="cuda")          # 20 MiB, then a hole under it
+        q = torch.empty(MiB // 2, device="cuda")
+        del p
+        moved = pymemplan.memory_stats()["num_device_free"]
+        expect = 0.0
+        for i in range(40):
+            for n in (6 * MiB, 9 * MiB // 2):             # 24 and 18 MiB: above, then the hole
+                t = torch.empty(n, device="cuda")
+                torch.cuda._sleep(2_000_000)              # the device falls behind the host
+                t.fill_(i % 7 + 1)
+                acc += t.sum(dtype=torch.float64)
+                expect += n * (i % 7 + 1)
+                del t                                     # freed with its kernels queued
+        torch.cuda.synchronize()
+        moved = pymemplan.memory_stats()["num_device_free"] - moved
+        assert moved > 0, "no page moved: the test did not exercise what it is for"
+        assert float(acc.item()) == expect, (float(acc.item()), expect)
+        print(moved)
+    """)
+    assert int(out.split()[-1]) > 0
