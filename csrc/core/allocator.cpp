@@ -1200,9 +1200,11 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     std::size_t free_block;  // size of the free block the page starts in
     std::uintptr_t addr;
     Segment* seg;
+    bool idle;               // its work is known done (page_idle)
   };
   std::size_t reclaimed = 0;
   std::vector<Victim> victims;
+  poll_epochs();
   for (const bool arenas : {false, true}) {
     if (reclaimed >= want) break;
     victims.clear();
@@ -1219,7 +1221,7 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
           const std::uintptr_t plo = seg->addr + i * page;
           if (seg->pages[i] == 0 || seg->users[i] != 0) continue;
           if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
-          victims.push_back({b->size, plo, seg});
+          victims.push_back({b->size, plo, seg, page_idle(seg, i)});
         }
       }
     }
@@ -1230,7 +1232,10 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     // thirds; in this order 3,290, at the same peaks).
     const std::size_t short_by = want - reclaimed;  // kNoLimit: every unused page
     const std::size_t n = std::min(victims.size(), short_by / page + (short_by % page != 0));
+    // Before them all, the pages known idle: unmapping those waits for nothing (on a device 64
+    // events behind the host, waits over the last thirds 113 -> 90, for 2% more unmaps).
     auto last_reached = [](const Victim& a, const Victim& b) {
+      if (a.idle != b.idle) return a.idle;
       return a.free_block != b.free_block ? a.free_block > b.free_block : a.addr > b.addr;
     };
     std::partial_sort(victims.begin(), victims.begin() + static_cast<std::ptrdiff_t>(n),
@@ -1238,7 +1243,6 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     victims.resize(n);
     std::sort(victims.begin(), victims.end(),
               [](const Victim& a, const Victim& b) { return a.addr < b.addr; });
-    poll_epochs();
     for (std::size_t k = 0; k < victims.size();) {
       Segment* seg = victims[k].seg;
       // Work queued before the frees that left these pages unused may still touch them: the
