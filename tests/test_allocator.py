@@ -322,6 +322,25 @@ def test_vmm_unmaps_without_waiting_once_an_event_after_the_free_completed():
     a.free(keep)
 
 
+def test_vmm_gives_back_idle_pages_before_pages_still_in_use_by_queued_work():
+    page = 2 * MiB
+    dev, a = make("pymemplan-vmm", "vmm_segment_mb:1024", auto=False)
+    t = a.malloc(20 * page, 0)
+    a.free(t)
+    a.empty_cache()  # nothing held, the mark stays at 20 pages
+    x = a.malloc(5 * page, 0)
+    keep = [a.malloc(page, 0)]
+    big = a.malloc(8 * page, 0)
+    keep.append(a.malloc(page, 0))
+    a.free(x)
+    dev.complete_events(0)  # the work queued before x's free is done
+    a.free(big)  # big's is not
+    a.malloc(9 * page, 0)  # above: 4 pages over the mark move, from x's place, at no wait
+    assert a.unmap_waits() == 0
+    assert a.stats()["reserved_bytes.all.peak"] == 20 * page
+    assert dev.pending_events > 0  # big's free is still not known done
+
+
 def test_ours_reuses_across_streams_only_after_the_owner_completes():
     # (release_before_grow off: it would return p's idle segment to the device instead)
     dev, a = make("pymemplan", "release_before_grow:False", auto=False)
