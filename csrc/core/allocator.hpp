@@ -211,7 +211,8 @@ class CachingAllocator : public Allocator {
   // was left without users.
   bool count_use(const Block* b, int delta);
   // Unmaps pages [first, first + n) of `seg` (all mapped) in one device call, and releases
-  // them; unmap_mapped: the mapped ones of [from, to), run by run.
+  // them (or, with spare, keeps them in spare_pages_); unmap_mapped: the mapped ones of
+  // [from, to), run by run.
   void unmap_pages(Segment* seg, std::size_t first, std::size_t n, bool spare = false);
   void release_spares();
   void unmap_mapped(Segment* seg, std::size_t from, std::size_t to);
