@@ -461,6 +461,40 @@ def workloads():
                     opt.zero_grad(set_to_none=True)
         return run
 
+    def swin(batch, size, steps):
+        # Shifted-window attention: windows are cut out, rolled and stitched back at every
+        # block (many copies of one activation in several layouts). AdamW.
+        def run():
+            import torchvision
+
+            torch.manual_seed(0)
+            model = torchvision.models.swin_t(num_classes=100)
+            opt = torch.optim.AdamW(model.parameters(), 1e-4)
+            for _ in range(steps):
+                x = torch.randn(batch, 3, size, size)
+                y = torch.randint(0, 100, (batch,))
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return run
+
+    def mamba(batch, seq, steps):
+        # A selective state-space model. Without the mamba_ssm kernels, transformers runs its
+        # reference scan: a loop over time that makes small tensors at every position. AdamW.
+        def run():
+            from transformers import MambaConfig, MambaForCausalLM
+
+            torch.manual_seed(0)
+            model = MambaForCausalLM(MambaConfig(vocab_size=8000, hidden_size=256,
+                                                 num_hidden_layers=4, state_size=16))
+            opt = torch.optim.AdamW(model.parameters(), 1e-4)
+            for _ in range(steps):
+                ids = torch.randint(0, 8000, (batch, seq))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return run
+
     varlen = [128, 384, 64, 512, 256, 448]
     return {
         "resnet50": (*vision("resnet50", 16), 3),
@@ -506,6 +540,10 @@ def workloads():
         # it too): training loops with a validation pass every third step, at twice the batch.
         "gpt2_4l_eval": evaluating(lambda b: gpt2(b, 256, layers=4), 4, 8, 3, 3),
         "resnet18_eval": evaluating(lambda b: vision("resnet18", b), 16, 32, 3, 3),
+        # Held out, added after the work on unmapping costs and measured before anything was
+        # changed for them: a shifted-window vision transformer and a state-space model.
+        "swin_t_b4": swin(4, 224, 3),
+        "mamba_4l": mamba(4, 64, 3),
     }
 
 
