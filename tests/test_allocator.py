@@ -220,31 +220,55 @@ def test_ours_segment_sizes():
     assert segments(a) == [(20 * MiB, "large")]
     _, a = make("pymemplan", capacity=8 << 30)
     big = a.malloc(1200 * MiB)
-    p = a.malloc(3 * MiB)  # then 1/32 of the most the pool has held, in 2 MiB pages
+    p = a.malloc(3 * MiB + 100)  # then 1/32 of the most the pool has held, in 2 MiB pages
     assert sorted(segments(a)) == [(38 * MiB, "large"), (1200 * MiB, "large")]
     a.free(big)
     a.free(p)
     a.empty_cache()
-    a.malloc(3 * MiB)  # the highest reserved (1238 MiB) sizes it, not what is reserved now
+    a.malloc(3 * MiB + 100)  # the highest reserved (1238 MiB) sizes it, not what is reserved now
     assert segments(a) == [(40 * MiB, "large")]
     _, a = make("pymemplan", capacity=8 << 30)
     a.malloc(4000 * MiB)
-    a.malloc(3 * MiB)  # up to medium_segment_mb (48 by default)
+    a.malloc(3 * MiB + 100)  # up to medium_segment_mb (48 by default)
     assert sorted(segments(a)) == [(48 * MiB, "large"), (4000 * MiB, "large")]
     _, a = make("pymemplan", "medium_segment_mb:16")
-    a.malloc(3 * MiB)  # below torch's 20 MiB if asked
+    a.malloc(3 * MiB + 100)  # below torch's 20 MiB if asked
     assert segments(a) == [(16 * MiB, "large")]
     _, a = make("pymemplan", "medium_segment_mb:0")
     a.malloc(3 * MiB + 100)  # or get their own, rounded to the 2 MiB granularity
     assert segments(a) == [(4 * MiB, "large")]
 
 
+def test_ours_cuts_a_medium_segment_to_a_whole_number_of_its_first_request():
+    # 8 MiB requests: 16 MiB segments (two each) rather than 20 MiB ones with a 4 MiB tail.
+    dev, a = make("pymemplan")
+    ps = [a.malloc(8 * MiB) for _ in range(3)]
+    assert sorted(segments(a)) == [(16 * MiB, "large"), (16 * MiB, "large")]
+    assert a.stats()["reserved_bytes.all.current"] == 32 * MiB  # 40 MiB with 20 MiB segments
+    # 3 MiB: six requests in 18 MiB; 1.5 MiB: twelve (whole pages are a multiple of 6 MiB).
+    _, b = make("pymemplan")
+    b.malloc(3 * MiB)
+    b.malloc(3 * MiB // 2)
+    assert segments(b) == [(18 * MiB, "large")]
+    _, c = make("pymemplan")
+    c.malloc(3 * MiB // 2)
+    assert segments(c) == [(18 * MiB, "large")]
+    # Sizes whose multiples meet a page boundary only beyond the segment keep its size, and
+    # other sizes still share it.
+    _, d = make("pymemplan")
+    d.malloc(3 * MiB + 100)
+    d.malloc(5 * MiB)
+    assert segments(d) == [(20 * MiB, "large")]
+    check_invariants(a, dev, {p: 8 * MiB for p in ps})
+
+
 def test_ours_takes_a_segment_of_the_requests_own_size_where_a_shared_one_no_longer_fits():
     dev, a = make("pymemplan", capacity=64 * MiB)
-    sizes = [40 * MiB, 3 * MiB, 9 * MiB, 7 * MiB]
+    sizes = [40 * MiB, 3 * MiB + 100, 9 * MiB, 7 * MiB]
     ps = [a.malloc(n) for n in sizes]
     assert segments(a) == [(20 * MiB, "large"), (40 * MiB, "large")]
-    # The medium segment has 1 MiB left; another shared one would need 20 MiB of the 4 left.
+    # The medium segment has 1 MiB left; another shared one would need 18 MiB (six requests
+    # of 3 MiB) of the 4 left.
     ps.append(a.malloc(3 * MiB))
     sizes.append(3 * MiB)
     assert segments(a) == [(4 * MiB, "large"), (20 * MiB, "large"), (40 * MiB, "large")]
@@ -656,5 +680,6 @@ def test_snapshot_is_read_by_torch_memory_viz():
     a.free(ps[1])
     snap = a.snapshot()
     summary = _memory_viz.segsum(snap)
-    assert "segments: 3" in summary and "total_reserved: 42.0MiB" in summary
+    # 2 MiB small + 18 MiB medium (six requests of 3 MiB) + 20 MiB
+    assert "segments: 3" in summary and "total_reserved: 40.0MiB" in summary
     assert "<html" in _memory_viz.segment_plot(snap).lower()

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <numeric>
 #include <sstream>
 
 #include "errors.hpp"
@@ -158,6 +159,12 @@ std::size_t CachingAllocator::segment_size(std::size_t rounded) const {
             round_up(static_cast<std::size_t>(reserved_hwm_) / 32, kRoundLarge);
         const std::size_t medium = std::min(config_.medium_segment, std::max(kLargeBuffer, share));
         bytes = std::max(medium, rounded);
+        // Cut to a whole number of requests of this size, in whole pages, where one fits:
+        // 8 MiB requests get 16 MiB segments, not 20 MiB ones whose last 4 MiB only smaller
+        // requests could use (mamba_4l: 1.224 -> 1.122 of its live bytes).
+        const std::size_t unit =
+            std::lcm(rounded, std::max<std::size_t>(device_->granularity(), 1));
+        if (unit < bytes) bytes = bytes / unit * unit;
       } else {
         bytes = rounded;
       }
