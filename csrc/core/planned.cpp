@@ -287,6 +287,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("full_rearms", num(full_rearms_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
   put("marks", num(marks_));
+  put("plans_imported", num(imported_));
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
   put("plan_coverage", last_coverage_);
@@ -311,6 +312,124 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
 std::pair<std::size_t, std::vector<PackBlock>> PlannedAllocator::last_plan_blocks() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return {last_period_, last_blocks_};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plans across runs. The text: a header line ("pymemplan-plans 1"), "peak <bytes>" (the
+// highest reserved of the run that wrote it), the number of plans, then per plan a line
+// "plan <period> <signature> <slots>" and one line per slot, "<size> <stream> <time> <life>"
+// (rounded size; time since the cut; life 0: the pool serves it). Blocks are the slots with
+// a life; the signature is the hash detection keys plans by (build_plan).
+
+namespace {
+constexpr const char* kPlansHeader = "pymemplan-plans";
+constexpr int kPlansVersion = 1;
+}  // namespace
+
+std::string PlannedAllocator::export_plans() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<const Plan*> out;
+  for (const Plan& p : plans_) {
+    if (p.arms_here != 0 && worth_an_arena(p) && p.slots.size() > kPrefix) out.push_back(&p);
+  }
+  std::ostringstream o;
+  o << kPlansHeader << ' ' << kPlansVersion << '\n'
+    << "peak " << pool_->reserved_high_water() << '\n' << out.size() << '\n';
+  for (const Plan* p : out) {
+    o << "plan " << p->period << ' ' << p->signature << ' ' << p->slots.size() << '\n';
+    for (std::size_t j = 0; j < p->slots.size(); ++j) {
+      const Slot& slot = p->slots[j];
+      const std::size_t life = p->slot_block[j] == kNoOffset ? 0 : p->blocks[p->slot_block[j]].life;
+      o << slot.size << ' ' << slot.stream << ' ' << slot.time << ' ' << life << '\n';
+    }
+  }
+  return o.str();
+}
+
+std::size_t PlannedAllocator::import_plans(const std::string& text) {
+  std::istringstream in(text);
+  auto fail = [](const std::string& what) -> AllocatorError {
+    return AllocatorError("import_plans: " + what + "; the text must be what export_plans() wrote");
+  };
+  auto number = [&](const char* what, std::uint64_t lo, std::uint64_t hi) {
+    std::string word;
+    if (!(in >> word)) throw fail(std::string("it ends where ") + what + " was expected");
+    std::size_t pos = 0;
+    unsigned long long v = 0;
+    try {
+      v = std::stoull(word, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    if (pos != word.size() || word[0] == '-' || v < lo || v > hi) {
+      throw fail(std::string("bad ") + what + " '" + word + "' (expected an integer in [" +
+                 std::to_string(lo) + ", " + std::to_string(hi) + "])");
+    }
+    return static_cast<std::uint64_t>(v);
+  };
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  std::string header;
+  if (!(in >> header) || header != kPlansHeader) {
+    throw fail("it does not start with '" + std::string(kPlansHeader) + "'");
+  }
+  if (number("version", 0, kMax) != kPlansVersion) {
+    throw fail("its version is not " + std::to_string(kPlansVersion));
+  }
+  std::string word0;
+  if (!(in >> word0) || word0 != "peak") throw fail("the line after the header does not start with 'peak'");
+  const std::uint64_t peak = number("peak", 0, std::numeric_limits<std::int64_t>::max());
+  const std::uint64_t count = number("number of plans", 0, 1024);
+  // Everything is read and checked before anything is added.
+  std::vector<Plan> read;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    std::string word;
+    if (!(in >> word) || word != "plan") throw fail("plan " + std::to_string(i) + " does not start with 'plan'");
+    Plan p;
+    p.period = number("period", config_.min_period, config_.max_period);
+    p.signature = number("signature", 0, kMax);
+    const std::uint64_t n = number("number of slots", kPrefix + 1, p.period);
+    std::size_t last_time = 0;
+    for (std::uint64_t j = 0; j < n; ++j) {
+      Slot slot;
+      slot.size = number("slot size", kAlign, std::numeric_limits<std::int64_t>::max());
+      if (slot.size % kAlign != 0) {
+        throw fail("slot size " + std::to_string(slot.size) + " is not a multiple of " + std::to_string(kAlign));
+      }
+      slot.stream = number("stream", 0, kMax);
+      slot.time = number("slot time", last_time, p.period - 1);  // in order, on the period
+      last_time = slot.time;
+      const std::uint64_t life = number("lifetime", 0, p.period);
+      slot.planned = life != 0;
+      p.slot_block.push_back(life == 0 ? kNoOffset : p.blocks.size());
+      if (life != 0) p.blocks.push_back({slot.time, static_cast<std::size_t>(life), slot.size});
+      p.slots.push_back(slot);
+    }
+    read.push_back(std::move(p));
+  }
+  std::string rest;
+  if (in >> rest) throw fail("it goes on after its " + std::to_string(count) + " plans ('" + rest + "')");
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t added = 0;
+  for (Plan& p : read) {
+    const bool known = std::any_of(plans_.begin(), plans_.end(),
+                                   [&](const Plan& q) { return q.signature == p.signature; });
+    if (known || plans_.size() >= config_.max_plans) continue;
+    std::uint64_t h = 0;
+    for (std::size_t j = 0; j < kPrefix; ++j) h = h * kHashBase + alloc_token(p.slots[j].size, p.slots[j].stream);
+    p.prefix = h;
+    p.id = ++plan_ids_;
+    p.bound[0] = live_bound(p.blocks, p.period);
+    // Validated as a plan of this run is: by a pass that matches it (a first step may hold
+    // one-off requests the earlier run's steps did not).
+    p.imported = true;
+    p.cap = static_cast<std::size_t>(peak);
+    p.built_at = 0;  // no window of this run's history: refresh() leaves it as it is
+    plans_.push_back(std::move(p));
+    ++added;
+  }
+  imported_ += added;
+  return added;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -851,9 +970,15 @@ bool PlannedAllocator::arm(int v) {
   // plan_slack (per mille) of the highest live bytes (it is nearly optimal, if a little above
   // what the pool alone reached so far).
   // A plan made again while its old layout served is held to what that layout took (arm_cap_).
-  const auto limit = std::min(arm_cap_, std::max(static_cast<std::size_t>(high),
-                              static_cast<std::size_t>(static_cast<double>(live_hwm_) *
-                                                       (1.0 + static_cast<double>(config_.plan_slack) / 1000.0))));
+  const double slack = 1.0 + static_cast<double>(config_.plan_slack) / 1000.0;
+  auto limit = std::min(arm_cap_, std::max(static_cast<std::size_t>(high),
+                        static_cast<std::size_t>(static_cast<double>(live_hwm_) * slack)));
+  if (p.imported) {
+    // A plan of an earlier run, early in this one: the peak so far (a first step, before the
+    // optimizer made its state) is no measure of what the steps ahead will take. It may take
+    // this run as high as the run it comes from went, no higher.
+    limit = std::max(limit, p.cap);
+  }
   auto refuse = [&] {
     p.refused_at[v] = high;
     ++arm_refusals_;
@@ -950,6 +1075,7 @@ bool PlannedAllocator::arm(int v) {
   }
   pool_->set_grow_mark(footprint);
   arm_limit_ = std::max(high, static_cast<std::int64_t>(footprint));
+  ++p.arms_here;
   if (p.holes[v]) pool_->claim(p.claims[v]);
   armed_ = true;
   variant_ = v;
@@ -1286,7 +1412,10 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   // Adopted at the start of an iteration (its first kPrefix requests matched a stored plan, as
   // when shapes alternate or come back): the pool holds little now, so the plan arms at once.
   // If the rest of the iteration does not follow, the divergence rule disarms it.
-  if (!armed_ && cursor == kPrefix) arm(1);
+  // Not a plan of an earlier run: it waits for a pass of this run that matches it (above),
+  // and arms at its cut. Armed at once, in runs whose steps vary (an evaluation every few
+  // steps), it held more than the plans of the run itself (tiny loops: a page more).
+  if (!armed_ && cursor == kPrefix && !p.imported) arm(1);
 }
 
 }  // namespace pymemplan

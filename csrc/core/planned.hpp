@@ -192,6 +192,16 @@ class PlannedAllocator : public Allocator {
   // The blocks of the last plan built, on its circle of `period` events (start, life, size),
   // for tests and for studying the packer.
   std::pair<std::size_t, std::vector<PackBlock>> last_plan_blocks() const;
+  // Plans that outlive the process (a restarted job, the next run of a sweep): export_plans()
+  // writes, as text, the plans validated here that are worth an arena; import_plans() adds
+  // them to this allocator, and returns how many it added (not those it has already, nor
+  // more than max_plans). An imported plan is recognised by its first kPrefix requests, as a
+  // plan of this run is, and arms at once: a first step that repeats the earlier run's steps
+  // is served as they were. Its offsets are computed at arming, against this run's pool.
+  // Slots on a stream other than the default one match only if the stream has the same id.
+  // Bad text raises AllocatorError, and nothing is added.
+  std::string export_plans() const;
+  std::size_t import_plans(const std::string& text);
 
  private:
   static constexpr std::size_t kNoOffset = std::numeric_limits<std::size_t>::max();
@@ -246,6 +256,9 @@ class PlannedAllocator : public Allocator {
     bool keep_layout = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
     std::uint64_t holes_key[2] = {0, 0};    // per variant: holes_key() of its last packing
+    bool imported = false;        // from import_plans()
+    std::size_t cap = 0;          // imported: the highest reserved of the run it comes from
+    std::uint64_t arms_here = 0;  // times armed in this run (export_plans() takes those armed)
   };
   struct Live {
     std::uint64_t id = 0;     // allocation ordinal
@@ -357,6 +370,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t refinements_ = 0;
   std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
   std::uint64_t layouts_kept_ = 0;  // plans made again whose new layout held more (boundary())
+  std::uint64_t imported_ = 0;  // plans added by import_plans()
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
   std::uint64_t busy_arenas_retired_ = 0;  // arenas retired into the pool with live blocks
   double last_ratio_ = 0.0, last_coverage_ = 0.0;

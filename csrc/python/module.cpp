@@ -83,6 +83,17 @@ std::unique_ptr<Allocator> make_simulated_allocator(std::shared_ptr<SimulatedDev
 template <typename T>
 using carray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
+// pymemplan-planned's own methods, on an Allocator of that policy.
+const PlannedAllocator& planned_of(const Allocator& a, const char* what) {
+  const auto* p = dynamic_cast<const PlannedAllocator*>(&a);
+  if (p == nullptr) throw AllocatorError(std::string(what) + ": policy " + a.policy_name() + " has no plans");
+  return *p;
+}
+
+PlannedAllocator& planned_of(Allocator& a, const char* what) {
+  return const_cast<PlannedAllocator&>(planned_of(static_cast<const Allocator&>(a), what));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -195,17 +206,25 @@ PYBIND11_MODULE(_core, m) {
                              [](const Allocator& a) { return a.config_string(); })
       // pymemplan-planned only (planned.hpp): figures about its plans.
       .def("plan_stats", [](const Allocator& a) {
-        const auto* p = dynamic_cast<const PlannedAllocator*>(&a);
-        if (p == nullptr) throw AllocatorError("plan_stats: policy " + a.policy_name() + " has no plans");
         py::dict d;
-        for (const auto& [k, v] : p->plan_stats()) d[py::str(k)] = v;
+        for (const auto& [k, v] : planned_of(a, "plan_stats").plan_stats()) d[py::str(k)] = v;
         return d;
       })
+      .def(
+          "export_plans",
+          [](const Allocator& a) { return planned_of(a, "export_plans").export_plans(); },
+          "pymemplan-planned only: its plans worth an arena, as text for import_plans().")
+      .def(
+          "import_plans",
+          [](Allocator& a, const std::string& text) {
+            return planned_of(a, "import_plans").import_plans(text);
+          },
+          py::arg("text"),
+          "pymemplan-planned only: adds the plans export_plans() wrote (in another run); "
+          "returns how many were added.")
       .def("plan_blocks", [](const Allocator& a) {
         // pymemplan-planned only: the blocks of the last plan built, for tests and the packer.
-        const auto* p = dynamic_cast<const PlannedAllocator*>(&a);
-        if (p == nullptr) throw AllocatorError("plan_blocks: policy " + a.policy_name() + " has no plans");
-        const auto [period, blocks] = p->last_plan_blocks();
+        const auto [period, blocks] = planned_of(a, "plan_blocks").last_plan_blocks();
         std::vector<std::size_t> start, life, size;
         for (const PackBlock& b : blocks) {
           start.push_back(b.start);
@@ -350,7 +369,7 @@ PYBIND11_MODULE(_core, m) {
       [](carray<std::uint8_t> action, carray<std::int64_t> ptr, carray<std::int64_t> size,
          carray<std::int64_t> stream, const std::string& policy, const std::string& config,
          std::size_t capacity, std::size_t granularity, std::int64_t steady_from,
-         std::uint64_t event_lag) {
+         std::uint64_t event_lag, const std::string& plans) {
         const auto n = static_cast<std::size_t>(action.size());
         if (static_cast<std::size_t>(ptr.size()) != n || static_cast<std::size_t>(size.size()) != n ||
             static_cast<std::size_t>(stream.size()) != n) {
@@ -359,6 +378,11 @@ PYBIND11_MODULE(_core, m) {
         auto device = std::make_shared<SimulatedDevice>(capacity, granularity, true);
         device->set_lag(event_lag);
         std::unique_ptr<Allocator> alloc = make_allocator(device, policy, config);
+        auto* planned = dynamic_cast<PlannedAllocator*>(alloc.get());
+        if (!plans.empty()) {
+          if (planned == nullptr) throw AllocatorError("replay: policy " + policy + " takes no plans");
+          planned->import_plans(plans);
+        }
         ReplayResult r;
         std::function<void()> tick;
         if (event_lag != 0) tick = [&device] { device->advance(); };
@@ -385,11 +409,13 @@ PYBIND11_MODULE(_core, m) {
         d["unmap_waits"] = r.unmap_waits;
         d["steady_unmap_waits"] = r.steady_unmap_waits;
         d["ticks_waited"] = device->ticks_waited();
+        d["plans"] = planned != nullptr ? planned->export_plans() : std::string();
         return d;
       },
       py::arg("action"), py::arg("ptr"), py::arg("size"), py::arg("stream"),
       py::arg("policy") = "pymemplan", py::arg("config") = "",
       py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = 2 << 20,
-      py::arg("steady_from") = -1, py::arg("event_lag") = 0,
-      "Replay a trace (parallel arrays) through a policy on a fresh simulated device.");
+      py::arg("steady_from") = -1, py::arg("event_lag") = 0, py::arg("plans") = "",
+      "Replay a trace (parallel arrays) through a policy on a fresh simulated device; "
+      "pymemplan-planned starts with `plans` (export_plans() text) and returns its own.");
 }

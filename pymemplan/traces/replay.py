@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .. import _core
 from ..units import parse_bytes
@@ -33,9 +33,14 @@ class ReplayResult:
     # Device allocations + frees over the same events: driver calls a steady state should
     # not make (a cudaFree waits for the whole device).
     steady_device_calls: int | None = None
+    # pymemplan-planned: its plans at the end of the run, as Allocator.export_plans() writes
+    # them (for `replay(..., plans=...)` or a later run); not in to_dict().
+    plans: str | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("plans")
+        return d
 
 
 def parse_policy(spec: str) -> tuple[str, str]:
@@ -47,13 +52,17 @@ def parse_policy(spec: str) -> tuple[str, str]:
 
 
 def replay(trace: Trace, policies=DEFAULT_POLICIES, *, capacity="80GiB",
-           granularity="2MiB") -> list[ReplayResult]:
+           granularity="2MiB", plans: str | None = None) -> list[ReplayResult]:
     """Replay `trace` once per policy (a name, or 'name=key:value,...'), each on a fresh
     simulated device of `capacity` bytes. Allocations that do not fit are counted as OOMs
     and skipped, with their frees.
 
     When a plan-guided policy among them serves requests from a plan, every result also
-    gets the steady-state peaks: over the events from the first one a plan served."""
+    gets the steady-state peaks: over the events from the first one a plan served.
+
+    `plans`: text from an earlier run (a result's `plans`, or `Allocator.export_plans()`)
+    that each pymemplan-planned policy starts with, as a restarted job would; results of
+    that policy carry their own plans in `plans`."""
     if isinstance(policies, str):
         policies = [policies]
     cap = parse_bytes(capacity)
@@ -62,9 +71,13 @@ def replay(trace: Trace, policies=DEFAULT_POLICIES, *, capacity="80GiB",
     trace.validate()
     results = []
     runs = []
+    if plans is not None and not any(name == "pymemplan-planned" for _, name, _ in parsed):
+        raise ValueError("replay: plans are for the pymemplan-planned policy, which is not "
+                         f"among {[spec for spec, _, _ in parsed]}")
+    seed = {name: (plans or "") if name == "pymemplan-planned" else "" for _, name, _ in parsed}
     for spec, name, config in parsed:
         runs.append(_core.replay(trace.action, trace.ptr, trace.size, trace.stream, name, config,
-                                 cap, gran))
+                                 cap, gran, plans=seed[name]))
     planned = [r["first_planned_event"] for r in runs if r["first_planned_event"] >= 0]
     steady_from = min(planned) if planned else None
     for (spec, name, config), r in zip(parsed, runs):
@@ -75,11 +88,12 @@ def replay(trace: Trace, policies=DEFAULT_POLICIES, *, capacity="80GiB",
             peak_reserved_bytes=r["peak_reserved_bytes"],
             reserved_over_live=r["peak_reserved_bytes"] / live if live else 0.0,
             device_allocs=r["device_allocs"], device_frees=r["device_frees"], ooms=r["ooms"],
-            ns_per_event=r["ns_per_event"])
+            ns_per_event=r["ns_per_event"],
+            plans=r["plans"] if name == "pymemplan-planned" else None)
         if steady_from is not None:
             # A second run: polling reserved memory after every event would skew the timing.
             s = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, name, config,
-                             cap, gran, steady_from)
+                             cap, gran, steady_from, plans=seed[name])
             result.steady_from_event = steady_from
             result.steady_peak_live_bytes = s["steady_peak_live_bytes"]
             result.steady_peak_reserved_bytes = s["steady_peak_reserved_bytes"]

@@ -1,0 +1,207 @@
+"""pymemplan-planned's plans across runs: export_plans() / import_plans() (planned.hpp)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from allocator_checks import check_invariants
+from pymemplan import _core
+from pymemplan.traces import replay
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from synthetic_traces import random_training  # noqa: E402
+
+POLICY = "pymemplan-planned"
+MiB = 1 << 20
+
+
+def run(trace, plans="", check_every=0):
+    """Replays `trace` through a fresh pymemplan-planned allocator that first imports `plans`;
+    checks that live blocks never overlap (and every invariant, every `check_every` events).
+    Returns (allocator, highest reserved, highest live)."""
+    device = _core.SimulatedDevice(80 << 30)
+    alloc = _core.Allocator(device, POLICY, "")
+    if plans:
+        alloc.import_plans(plans)
+    ptr, live = {}, {}
+    high = live_bytes = live_high = 0
+    for i, (a, p, n, s) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(),
+                                         trace.size.tolist(), trace.stream.tolist())):
+        if a == 0:
+            q = alloc.malloc(n, s)
+            assert all(q + n <= x or x + live[x] <= q for x in live), "overlapping live blocks"
+            ptr[p], live[q] = q, n
+            live_bytes += n
+        else:
+            q = ptr.pop(p)
+            alloc.free(q)
+            live_bytes -= live.pop(q)
+        high = max(high, alloc.stats()["reserved_bytes.all.current"])
+        live_high = max(live_high, live_bytes)
+        if check_every and i % check_every == 0:
+            check_invariants(alloc, device, live)
+    return alloc, high, live_high
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """Random training loop 18 (benchmarks/alloc_random.py): 1,030 events, four steps whose
+    first makes momentum buffers the later ones do not."""
+    trace = random_training(18)
+    alloc, high, _ = run(trace)
+    return trace, alloc.export_plans(), high
+
+
+def test_plans_of_an_earlier_run_serve_the_next_one_from_its_first_step(exported):
+    """Without plans, the plan of the step is found in the second step and serves from the
+    third: the run peaks at 1.0238 of live. With the first run's plans it arms at the end of
+    the first step, whose pass matched it, and the second step is served from it: 1.0122."""
+    trace, plans, _ = exported
+    cold = replay(trace, [POLICY])[0]
+    warm = replay(trace, [POLICY], plans=plans)[0]
+    assert warm.peak_reserved_bytes < cold.peak_reserved_bytes
+    assert warm.reserved_over_live < 1.013, warm.reserved_over_live
+    assert 0 <= warm.steady_from_event < cold.steady_from_event
+    # Served from imported plans, no two live blocks overlap and the pool's books balance.
+    alloc, high, _ = run(trace, plans, check_every=25)
+    assert high == warm.peak_reserved_bytes
+    stats = alloc.plan_stats()
+    assert stats["plans_imported"] >= 1 and stats["plan_hits"] > 0
+
+
+def test_plans_round_trip_and_are_not_imported_twice(exported):
+    trace, plans, _ = exported
+    assert plans.startswith("pymemplan-plans 1\npeak ")
+    alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
+    added = alloc.import_plans(plans)
+    assert added >= 1
+    assert alloc.plan_stats()["plans"] == added == alloc.plan_stats()["plans_imported"]
+    assert alloc.import_plans(plans) == 0  # the same signatures: nothing new
+    # Plans that have not armed in this run are not written out: there are none yet.
+    assert alloc.export_plans().splitlines()[2] == "0"
+    # max_plans bounds what is kept.
+    one = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "max_plans:1")
+    assert one.import_plans(plans) == 1
+
+
+def test_plans_of_another_workload_change_nothing(exported):
+    """Plans whose first requests never come are never adopted: the run is as without them."""
+    _, plans, _ = exported
+    other = random_training(5)
+    cold = replay(other, [POLICY])[0]
+    warm = replay(other, [POLICY], plans=plans)[0]
+    assert warm.peak_reserved_bytes == cold.peak_reserved_bytes
+    assert warm.steady_from_event == cold.steady_from_event
+
+
+def edit(text, pattern, replacement, count=1):
+    assert pattern in text, pattern
+    return text.replace(pattern, replacement, count)
+
+
+BAD = [
+    ("", "does not start with 'pymemplan-plans'"),
+    ("hello world", "does not start with 'pymemplan-plans'"),
+    ("pymemplan-plans 2\npeak 0\n0\n", "its version is not 1"),
+    ("pymemplan-plans 1\n0\n", "does not start with 'peak'"),
+    ("pymemplan-plans 1\npeak -5\n0\n", "bad peak '-5'"),
+    ("pymemplan-plans 1\npeak 0\n1\n", "plan 0 does not start with 'plan'"),
+    ("pymemplan-plans 1\npeak 0\n1\nplan 1 7 20\n", "bad period '1'"),
+    ("pymemplan-plans 1\npeak 0\n1\nplan 100 7 3\n", "bad number of slots '3'"),
+    ("pymemplan-plans 1\npeak 0\n0\nextra", "goes on after its 0 plans"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD)
+def test_import_plans_rejects_text_it_did_not_write(text, message):
+    alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
+    with pytest.raises(_core.AllocatorError, match="import_plans: .*" + message.replace("(", r"\(")):
+        alloc.import_plans(text)
+    assert alloc.plan_stats()["plans"] == 0
+    p = alloc.malloc(3 * MiB)  # intact
+    alloc.free(p)
+
+
+def test_import_plans_rejects_edited_slots(exported):
+    _, plans, _ = exported
+    lines = plans.splitlines()
+    header = "\n".join(lines[:4])  # "pymemplan-plans 1", "peak ...", count, the first "plan ..."
+    first = lines[4].split()  # size stream time life
+    period = int(lines[3].split()[1])
+    cases = [
+        (f"{int(first[0]) + 1} {first[1]} {first[2]} {first[3]}", "is not a multiple of 512"),
+        (f"{first[0]} {first[1]} {first[2]} {period + 1}", f"bad lifetime '{period + 1}'"),
+        (f"{first[0]} {first[1]} {period} {first[3]}", f"bad slot time '{period}'"),
+        (f"{first[0]} x {first[2]} {first[3]}", "bad stream 'x'"),
+    ]
+    for line, message in cases:
+        text = "\n".join([header, line] + lines[5:]) + "\n"
+        alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
+        with pytest.raises(_core.AllocatorError, match=message):
+            alloc.import_plans(text)
+        assert alloc.plan_stats()["plans"] == 0
+    # Slots out of time order, and text cut short.
+    second = lines[5].split()
+    swapped = "\n".join(lines[:4] + [lines[5], lines[4]] + lines[6:]) + "\n"
+    if int(second[2]) > int(first[2]):
+        with pytest.raises(_core.AllocatorError, match="bad slot time"):
+            _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "").import_plans(swapped)
+    with pytest.raises(_core.AllocatorError, match="it ends where"):
+        _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "").import_plans(
+            "\n".join(lines[: len(lines) // 2]))
+
+
+def test_plans_need_the_planned_policy(exported):
+    trace, plans, _ = exported
+    vmm = _core.Allocator(_core.SimulatedDevice(1 << 30), "pymemplan-vmm", "")
+    with pytest.raises(_core.AllocatorError, match="export_plans: policy pymemplan-vmm has no plans"):
+        vmm.export_plans()
+    with pytest.raises(_core.AllocatorError, match="import_plans: policy pymemplan-vmm has no plans"):
+        vmm.import_plans(plans)
+    with pytest.raises(ValueError, match="plans are for the pymemplan-planned policy"):
+        replay(trace, ["torch"], plans=plans)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_edited_plans_are_refused_or_serve_safely(exported, data):
+    """Plans that do not describe the run (slots of other sizes, streams, lifetimes) make
+    requests that the run checks against each one: memory is never handed out twice, and the
+    books balance. Any other edit is refused whole."""
+    trace, plans, _ = exported
+    lines = plans.splitlines()
+    period = int(lines[3].split()[1])
+    slots = [i for i, line in enumerate(lines) if i > 3 and not line.startswith("plan")]
+    for _ in range(data.draw(st.integers(1, 40))):
+        i = data.draw(st.sampled_from(slots))
+        size, stream, time, life = lines[i].split()
+        field = data.draw(st.sampled_from(["size", "stream", "life"]))
+        if field == "size":
+            size = str(512 * data.draw(st.integers(1, 1 << 17)))
+        elif field == "stream":
+            stream = str(data.draw(st.sampled_from([0, 1, 7])))
+        else:
+            life = str(data.draw(st.integers(0, period)))
+        lines[i] = " ".join((size, stream, time, life))
+    if data.draw(st.booleans()):  # and one word that is not a slot's number
+        i = data.draw(st.sampled_from(slots))
+        words = lines[i].split()
+        words[data.draw(st.integers(0, 3))] = data.draw(
+            st.sampled_from(["-1", "", "0x10", "1e6", str(1 << 70), "513"]))
+        lines[i] = " ".join(w for w in words if w)
+    text = "\n".join(lines) + "\n"
+    alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
+    try:
+        alloc.import_plans(text)
+    except _core.AllocatorError as e:
+        assert str(e).startswith("import_plans: ")
+        assert alloc.plan_stats()["plans"] == 0
+        return
+    _, high, live_high = run(trace, text, check_every=100)
+    assert high >= live_high
