@@ -14,10 +14,12 @@ __version__ = "0.1.0"
 # must not import torch, which would be wasted for the replay tools and the CLI.
 _ALLOCATOR_API = frozenset({
     "PluginError", "PluginLoadError", "active_config", "empty_cache", "enable", "is_enabled",
-    "is_out_of_memory", "last_error", "library_path", "mark_step", "max_memory_allocated",
+    "is_out_of_memory", "last_error", "library_path", "load_plans", "mark_step",
+    "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
     "memory_summary", "oom_as_torch_error", "reset_accumulated_memory_stats",
-    "reset_peak_memory_stats", "save_snapshot", "set_memory_limit", "share_pages", "snapshot",
+    "reset_peak_memory_stats", "save_plans", "save_snapshot", "set_memory_limit", "share_pages",
+    "snapshot",
 })
 
 

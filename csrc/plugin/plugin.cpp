@@ -16,6 +16,7 @@
 #include "../core/allocator_api.hpp"
 #include "../core/config.hpp"
 #include "../core/errors.hpp"
+#include "../core/planned.hpp"
 #include "../devices/cuda_device.hpp"
 
 using namespace pymemplan;
@@ -100,6 +101,15 @@ Allocator& allocator_for(int device) {
 Allocator* existing_allocator(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   return plugin().allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+}
+
+PlannedAllocator& planned(Allocator& a, const char* what) {
+  auto* p = dynamic_cast<PlannedAllocator*>(&a);
+  if (p == nullptr) {
+    throw AllocatorError(std::string(what) + ": policy " + a.policy_name() +
+                         " has no plans; enable pymemplan with policy 'pymemplan-planned'");
+  }
+  return *p;
 }
 
 // Runs f, turning any exception into -1 and the last error.
@@ -301,6 +311,30 @@ int pymemplan_share_pages(int device, std::size_t* given_back) {
     }
   });
   if (given_back != nullptr) *given_back = total;
+  return rc;
+}
+
+long pymemplan_export_plans(int device, char* buf, std::size_t len) {
+  long n = -1;
+  guarded([&] {
+    if (device < 0 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
+    Allocator* a = existing_allocator(device);
+    if (a == nullptr) {
+      throw AllocatorError("export_plans: nothing was allocated on device " + std::to_string(device) +
+                           " yet, so there are no plans");
+    }
+    n = write_out(planned(*a, "export_plans").export_plans(), buf, len);
+  });
+  return n;
+}
+
+int pymemplan_import_plans(int device, const char* text, std::size_t* added) {
+  std::size_t n = 0;
+  const int rc = guarded([&] {
+    if (text == nullptr) throw AllocatorError("import_plans: no text");
+    n = planned(allocator_for(device), "import_plans").import_plans(text);
+  });
+  if (added != nullptr) *added = n;
   return rc;
 }
 

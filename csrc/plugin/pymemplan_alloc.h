@@ -57,6 +57,15 @@ int pymemplan_mark_step(int device);
  * Policies with virtual memory only; synchronizes the device, so no other thread may enqueue
  * work meanwhile. *given_back (if not NULL): the bytes given back. */
 int pymemplan_share_pages(int device, size_t* given_back);
+/* pymemplan-planned: the plans a device's allocator armed in this run, as text (see
+ * pymemplan_import_plans), with the protocol of pymemplan_stats_json. Fails for another
+ * policy, or a device with no allocator yet. */
+long pymemplan_export_plans(int device, char* buf, size_t len);
+/* pymemplan-planned: adds plans that pymemplan_export_plans wrote (in an earlier run of the
+ * same job), creating the device's allocator if there is none yet; each is recognised by its
+ * first requests and served once a step of this run has matched it. Bad text fails and adds
+ * nothing. *added (if not NULL): the plans added (those already known are not). */
+int pymemplan_import_plans(int device, const char* text, size_t* added);
 /* The last error of the calling thread (OOM message, bad pointer, driver failure), or "". */
 const char* pymemplan_last_error(void);
 /* Number of devices the driver reports, or -1 with last_error set (no driver, ...). */

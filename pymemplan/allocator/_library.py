@@ -55,6 +55,9 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pymemplan_empty_cache": (ctypes.c_int, [ctypes.c_int]),
     "pymemplan_mark_step": (ctypes.c_int, [ctypes.c_int]),
     "pymemplan_share_pages": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
+    "pymemplan_export_plans": (ctypes.c_long, [ctypes.c_int, _c_buffer, ctypes.c_size_t]),
+    "pymemplan_import_plans": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p,
+                                              ctypes.POINTER(ctypes.c_size_t)]),
     "pymemplan_last_error": (ctypes.c_char_p, []),
     "pymemplan_device_count": (ctypes.c_int, []),
 }
@@ -143,13 +146,18 @@ def check(rc: int, what: str) -> None:
 
 def read_json(fn: Callable[..., int], device: int, what: str, initial: int = 1 << 16) -> Any:
     """Call one of the (device, buf, len) -> needed-length JSON functions and parse it."""
+    return json.loads(read_text(fn, device, what, initial))
+
+
+def read_text(fn: Callable[..., int], device: int, what: str, initial: int = 1 << 16) -> str:
+    """Call one of the (device, buf, len) -> needed-length functions; its text."""
     size = initial
     while True:
         buf = ctypes.create_string_buffer(size)
         needed = fn(device, buf, size)
         check(needed, what)
         if needed < size:
-            return json.loads(buf.raw[:needed])
+            return buf.raw[:needed].decode()
         # Too small: the return value is the length it needs. The state may grow between
         # the two calls, so leave room and loop rather than trust one retry.
         size = needed + needed // 4 + 1024

@@ -164,6 +164,52 @@ def share_pages(device: Any = None) -> int:
     return given.value
 
 
+def save_plans(path: str | os.PathLike, device: Any = None) -> int:
+    """Write the plans ``pymemplan-planned`` armed in this run on a device to `path` (text);
+    returns how many. ``load_plans`` in a later run of the same job (a restart, the next run
+    of a sweep with the same shapes) serves its first steps from them::
+
+        pymemplan.enable("pymemplan-planned")
+        if os.path.exists("plans.txt"):
+            pymemplan.load_plans("plans.txt")
+        train()
+        pymemplan.save_plans("plans.txt")
+
+    With several GPUs, save and load each device's plans in a file of its own.
+    Raises PluginError for another policy, or where nothing was allocated on the device yet.
+    """
+    index = device_index(device)
+    text = _library.read_text(_library.load().pymemplan_export_plans, index,
+                              f"save_plans(device={index})")
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:  # a run killed mid-write leaves the old file whole
+        f.write(text)
+    os.replace(tmp, path)
+    return int(text.splitlines()[2])
+
+
+def load_plans(path: str | os.PathLike, device: Any = None) -> int:
+    """Add the plans ``save_plans`` wrote (in an earlier run) to a device's allocator; returns
+    how many were added. A plan is used once a step of this run has matched it, so plans of
+    another workload cost nothing but the memory of their text.
+
+    Raises FileNotFoundError, and PluginError for text save_plans did not write (nothing is
+    added then) or a policy other than ``pymemplan-planned``.
+    """
+    from ._enable import is_enabled
+
+    if not is_enabled():
+        raise RuntimeError("load_plans: pymemplan is not PyTorch's allocator; call "
+                           "pymemplan.enable('pymemplan-planned') first")
+    index = device_index(device)
+    with open(path) as f:
+        text = f.read()
+    added = ctypes.c_size_t(0)
+    _library.check(_library.load().pymemplan_import_plans(index, text.encode(), ctypes.byref(added)),
+                   f"load_plans({os.fspath(path)!r}, device={index})")
+    return added.value
+
+
 def last_error() -> str:
     """The plugin's last error in this thread (e.g. the OOM message under oom_action:null), or ""."""
     return _library.last_error()
