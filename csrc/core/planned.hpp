@@ -195,11 +195,14 @@ class PlannedAllocator : public Allocator {
   // Plans that outlive the process (a restarted job, the next run of a sweep): export_plans()
   // writes, as text, the plans validated here that are worth an arena; import_plans() adds
   // them to this allocator, and returns how many it added (not those it has already, nor
-  // more than max_plans). An imported plan is recognised by its first kPrefix requests, as a
-  // plan of this run is, and arms at once: a first step that repeats the earlier run's steps
-  // is served as they were. Its offsets are computed at arming, against this run's pool.
-  // Slots on a stream other than the default one match only if the stream has the same id.
-  // Bad text raises AllocatorError, and nothing is added.
+  // more than max_plans). An imported plan is adopted when its first kPrefix requests come,
+  // as a stored plan of this run is; it arms at its cut once a pass of this run has matched
+  // it (so a first step that repeats the earlier run's steps serves the second one), and may
+  // take this run as high as the earlier one went (not only as high as this one went so far).
+  // Recognised again later, it arms at once where its first requests select it alone; found
+  // by detection, it is a plan of this run. Its offsets are computed at arming, against this
+  // run's pool. Slots on a stream other than the default one match only if the stream has
+  // the same id. Bad text raises AllocatorError, and nothing is added.
   std::string export_plans() const;
   std::size_t import_plans(const std::string& text);
 
