@@ -6,7 +6,9 @@ policy on a simulated 80 GiB device with 2 MiB pages. Reported: the distribution
 reserved / peak live per policy (and for a layout made knowing the whole run: what better
 placement could reach), and every seed where a policy of ours holds more than
 PyTorch's allocator, or plan-guided placement more than the virtual-memory pool it runs over
-(a plan must never make memory worse).
+(a plan must never make memory worse). Each run is also replayed once more through
+pymemplan-planned starting with the plans the first replay ended with, as a restarted job
+does with save_plans / load_plans ("restarted").
 
     python benchmarks/alloc_random.py              # 200 seeds, about 10 s
     python benchmarks/alloc_random.py --seeds 1000
@@ -41,6 +43,9 @@ POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDAB
 # Differences under this share of the live bytes are one page on the smallest runs, not a
 # pattern: a plan that arms, diverges and leaves the pool another layout may cost a page.
 TOLERANCE = 0.005
+# The same run again, pymemplan-planned starting with the plans the first run ended with
+# (save_plans / load_plans: a restarted job).
+RESTARTED = "pymemplan-planned, restarted"
 
 
 def main() -> int:
@@ -66,6 +71,8 @@ def main() -> int:
             row[name] = r.reserved_over_live
             if r.steady_peak_live_bytes:
                 row[name + " steady"] = r.steady_peak_reserved_bytes / r.steady_peak_live_bytes
+        row[RESTARTED] = replay(trace, ["pymemplan-planned"],
+                                plans=results["pymemplan-planned"].plans)[0].reserved_over_live
         # What placing every block knowing the whole run would hold (pymemplan.traces.offline).
         row["offline"] = offline_layout(trace).peak_reserved_bytes / row["peak_live_bytes"]
         runs.append(row)
@@ -75,7 +82,7 @@ def main() -> int:
         return [r["seed"] for r in runs if r[a] > r[b] * (1 + TOLERANCE)]
 
     summary = {}
-    for name in POLICIES:
+    for name in (*POLICIES, RESTARTED):
         x = np.array([r[name] for r in runs])
         summary[name] = {"median": float(np.median(x)), "p95": float(np.percentile(x, 95)),
                          "max": float(x.max()), "within_3pct": int((x <= 1.03).sum())}
@@ -96,7 +103,11 @@ def main() -> int:
         "pymemplan-vmm above torch expandable": over("pymemplan-vmm", EXPANDABLE),
         "pymemplan-planned above torch expandable": over("pymemplan-planned", EXPANDABLE),
         "torch expandable above torch": over(EXPANDABLE, "torch"),
+        "restarted above pymemplan-planned": over(RESTARTED, "pymemplan-planned"),
+        "pymemplan-planned above restarted": over("pymemplan-planned", RESTARTED),
     }
+    summary[RESTARTED]["lower"] = sum(r[RESTARTED] < r["pymemplan-planned"] for r in runs)
+    summary[RESTARTED]["higher"] = sum(r[RESTARTED] > r["pymemplan-planned"] for r in runs)
     command = "python benchmarks/alloc_random.py" + ("" if args.loops == "training" else f" --loops {args.loops}")
     out = {"command": command + ("" if args.seeds == 200 else f" --seeds {args.seeds}"),
            "machine": platform.platform(), "seeds": args.seeds, "tolerance": TOLERANCE,
@@ -106,7 +117,7 @@ def main() -> int:
 
     print(f"{args.seeds} random {args.loops} loops in {seconds:.0f} s; peak reserved / peak live:")
     print(f"  {'policy':30s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
-    for name in (*POLICIES, "offline"):
+    for name in (*POLICIES, RESTARTED, "offline"):
         s = summary[name]
         label = "offline (knows the run)" if name == "offline" else name
         print(f"  {label:30s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
@@ -114,6 +125,9 @@ def main() -> int:
     if steady:
         print(f"  pymemplan-planned, steady state: median {s['median']:.4f}, within 1% on "
               f"{s['within_1pct']} of the {s['runs_with_a_plan']} runs a plan served")
+    s = summary[RESTARTED]
+    print(f"  restarted with the first run's plans: lower than pymemplan-planned on {s['lower']} "
+          f"runs, higher on {s['higher']}")
     for what, seeds in above.items():
         print(f"  {what} by more than {TOLERANCE:.1%}: {len(seeds)} runs{': seeds ' + str(seeds[:20]) if seeds else ''}")
     print(f"-> {args.out}")

@@ -728,7 +728,17 @@ def main() -> int:
     rows = []
     for name, trace in traces.items():
         trace.name = name
-        results = [r.to_dict() for r in replay(trace, policies, capacity=args.capacity)]
+        replayed = replay(trace, policies, capacity=args.capacity)
+        results = [r.to_dict() for r in replayed]
+        for obj, r in zip(replayed, results):
+            if obj.plans is not None:
+                # The same trace again, starting with the plans the first replay ended with:
+                # a restarted job (pymemplan.save_plans / load_plans).
+                again = replay(trace, [r["policy"]], capacity=args.capacity, plans=obj.plans)[0]
+                r["restarted_peak_reserved_bytes"] = again.peak_reserved_bytes
+                r["restarted_reserved_over_live"] = again.reserved_over_live
+                r["restarted_first_planned_event"] = again.steady_from_event
+                r["plans_saved"] = int(obj.plans.splitlines()[2])
         # The largest capacity at which each policy still fails, and whether ours run at
         # the capacity where torch first fails.
         for r in results:
@@ -816,6 +826,8 @@ def main() -> int:
                 # The steady-state target applies from the first request a plan served; where
                 # no plan ever served (no repeated iteration, or a plan that would not have
                 # beaten the pool), it is reported as not reached rather than as met.
+                # Informational: the same trace restarted with the plans of its first run.
+                v["restarted_over_live"] = o.get("restarted_reserved_over_live")
                 v["steady_state_reached"] = steady is not None
                 v["iterations_repeat"] = name not in NO_REPEATED_ITERATION
                 # The steady-state target is for traces whose iterations repeat.
@@ -903,6 +915,17 @@ def main() -> int:
                                ratio(by[(n, 'pymemplan-planned')]['plan']['plan_ratio'] or None),
                                f"{by[(n, 'pymemplan-planned')]['planning_seconds'] * 1e3:.1f}",
                                f"{by[(n, 'pymemplan-planned')]['ns_per_event_serving']:.0f}"]))
+    if "pymemplan-planned" in policies:
+        print("\npymemplan-planned restarted with the plans its first run ended with "
+              "(pymemplan.save_plans / load_plans): peak reserved / peak live over the whole "
+              "trace, and the event from which a plan serves:\n")
+        print(table(["trace", "plans saved", "first run", "restarted", "plan serves from: first run",
+                     "restarted"],
+                    lambda n: [n, str(by[(n, 'pymemplan-planned')]['plans_saved']),
+                               ratio(by[(n, 'pymemplan-planned')]['reserved_over_live']),
+                               ratio(by[(n, 'pymemplan-planned')]['restarted_reserved_over_live']),
+                               f"{by[(n, 'pymemplan-planned')]['steady_from_event'] or '–'}",
+                               f"{by[(n, 'pymemplan-planned')]['restarted_first_planned_event'] or '–'}"]))
     for v in verdicts:
         if not v["target_met"]:
             print(f"target missed: {v['policy']} on {v['trace']}: reserved/live "
