@@ -10,7 +10,7 @@ PyTorch's allocator, or plan-guided placement more than the virtual-memory pool 
 pymemplan-planned starting with the plans the first replay ended with, as a restarted job
 does with save_plans / load_plans ("restarted").
 
-    python benchmarks/alloc_random.py              # 200 seeds, about 10 s
+    python benchmarks/alloc_random.py              # 200 seeds, about 20 s
     python benchmarks/alloc_random.py --seeds 1000
     python benchmarks/alloc_random.py --loops evaluation --seeds 1000
 
