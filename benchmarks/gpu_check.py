@@ -4,7 +4,8 @@
 
 Trains resnet50 and GPT-2 small (random init) for 20 steps each with PyTorch's native
 allocator, native with expandable_segments:True, pymemplan, pymemplan-vmm and
-pymemplan-planned, each in its own process. It reports the peak reserved and peak allocated bytes (from each allocator's own
+pymemplan-planned, each in its own process, and pymemplan-planned once more, restarted
+with the plans the first run saved (save_plans / load_plans). It reports the peak reserved and peak allocated bytes (from each allocator's own
 stats), the median step time, and the ratios to native. Beside the native runs it puts
 the planner's predictions for the same step, made without the GPU: the peak of live bytes
 (``pymemplan.trace(..., device="cuda").peak_bytes``) against the peak allocated, and the
@@ -14,7 +15,7 @@ against the peak reserved. It also records each model's run under PyTorch's allo
 peak, what the replay engine's model of that allocator reserves on the recorded run, and how
 closely the planner's predicted step follows the recorded step's allocations, in order
 (``allocation_match``: whether a plan made from the prediction could serve the first steps).
-Writes benchmarks/results/gpu_check.json. Sized to finish in about 8 minutes on one H100/H200.
+Writes benchmarks/results/gpu_check.json. Sized to finish in about 9 minutes on one H100/H200.
 
     python benchmarks/gpu_check.py --predict-only   # the predictions alone; no GPU needed
 """
@@ -38,6 +39,10 @@ MODES = {
     "pymemplan_vmm": {"PYMEMPLAN_ENABLE": "1", "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-vmm"},
     "pymemplan_planned": {"PYMEMPLAN_ENABLE": "1",
                           "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
+    # The same again, starting with the plans the run before ended with (save_plans /
+    # load_plans through GPU_CHECK_PLANS_OUT / _IN, set by main()).
+    "pymemplan_planned_restarted": {"PYMEMPLAN_ENABLE": "1",
+                                    "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
 }
 
 # The training step both workers run; DEVICE and SMALL (a dry run: small shapes) come from
@@ -83,6 +88,8 @@ SETUP = textwrap.dedent("""
 
 WORKER = SETUP + textwrap.dedent("""
     steps = int(sys.argv[2])
+    if os.environ.get("GPU_CHECK_PLANS_IN") and DEVICE != "cpu":
+        pymemplan.load_plans(os.environ["GPU_CHECK_PLANS_IN"])
     batch, train = build()
     times = []
     for _ in range(steps):
@@ -97,6 +104,8 @@ WORKER = SETUP + textwrap.dedent("""
     else:
         stats = torch.cuda.memory_stats()
     times = sorted(times[3:])
+    if os.environ.get("GPU_CHECK_PLANS_OUT") and DEVICE != "cpu":
+        pymemplan.save_plans(os.environ["GPU_CHECK_PLANS_OUT"])
     print(json.dumps({
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
@@ -221,6 +230,8 @@ def recorded_checks(model_name, predicted_step, env=None) -> dict:
 
 
 def main() -> int:
+    import tempfile
+
     import torch
 
     if "--predict-only" in sys.argv:
@@ -241,7 +252,12 @@ def main() -> int:
         except (subprocess.SubprocessError, OSError, ValueError) as e:
             recorded[model] = {"error": str(e)[-2000:] + (getattr(e, "stderr", None) or "")[-2000:]}
         print(f"{model:9s} recorded: {json.dumps(recorded[model])[:400]}", flush=True)
+        plans = os.path.join(tempfile.mkdtemp(), f"{model}_plans.txt")
         for mode, env in MODES.items():
+            if mode == "pymemplan_planned":
+                env = {**env, "GPU_CHECK_PLANS_OUT": plans}
+            elif mode == "pymemplan_planned_restarted":
+                env = {**env, "GPU_CHECK_PLANS_IN": plans}
             r = subprocess.run([sys.executable, "-c", WORKER, model, "20"], capture_output=True,
                                text=True, timeout=240, env={**os.environ, **env})
             if r.returncode != 0:
