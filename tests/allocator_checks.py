@@ -111,3 +111,27 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
     pieces.sort()
     for (p0, _, hi0), (p1, lo1, _) in zip(pieces, pieces[1:]):
         assert p0 != p1 or lo1 >= hi0, "two blocks in use share physical memory"
+
+
+def replay_checked(alloc, device, trace, check_every: int = 0) -> tuple[int, int]:
+    """Replays `trace` (pymemplan.traces.Trace) through `alloc`, checking that live blocks
+    never overlap, and every invariant every `check_every` events (0: never). Returns the
+    highest reserved bytes and the highest live (requested) bytes."""
+    ptr, live = {}, {}
+    high = live_bytes = live_high = 0
+    for i, (a, p, n, s) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(),
+                                         trace.size.tolist(), trace.stream.tolist())):
+        if a == 0:
+            q = alloc.malloc(n, s)
+            assert all(q + n <= x or x + live[x] <= q for x in live), "overlapping live blocks"
+            ptr[p], live[q] = q, n
+            live_bytes += n
+        else:
+            q = ptr.pop(p)
+            alloc.free(q)
+            live_bytes -= live.pop(q)
+        high = max(high, alloc.stats()["reserved_bytes.all.current"])
+        live_high = max(live_high, live_bytes)
+        if check_every and i % check_every == 0:
+            check_invariants(alloc, device, live)
+    return high, live_high

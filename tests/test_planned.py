@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_checks import check_invariants
+from allocator_checks import check_invariants, replay_checked
 from pymemplan import _core
 
 MiB = 1 << 20
@@ -734,19 +734,7 @@ def test_a_plan_made_again_keeps_its_layout_where_the_new_one_would_hold_more():
     # The plan kept serves on with its claims taken again: every invariant holds throughout.
     device = _core.SimulatedDevice(80 << 30)
     alloc = _core.Allocator(device, POLICY, "")
-    ptr, live = {}, {}
-    for i, (a, p, n, st) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(),
-                                          trace.size.tolist(), trace.stream.tolist())):
-        if a == 0:
-            q = alloc.malloc(n, st)
-            assert all(q + n <= x or x + live[x] <= q for x in live), "overlapping live blocks"
-            ptr[p], live[q] = q, n
-        else:
-            q = ptr.pop(p)
-            alloc.free(q)
-            del live[q]
-        if i % 10 == 0:
-            check_invariants(alloc, device, live)
+    replay_checked(alloc, device, trace, check_every=10)
     stats = alloc.plan_stats()
     assert stats["remakes"] == 1 and stats["layouts_kept"] == 1
     assert stats["plan_hits"] > 0 and stats["armed"] == 1

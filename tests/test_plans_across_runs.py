@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_checks import check_invariants
+from allocator_checks import replay_checked
 from pymemplan import _core
 from pymemplan.traces import replay
 
@@ -22,30 +22,13 @@ MiB = 1 << 20
 
 
 def run(trace, plans="", check_every=0):
-    """Replays `trace` through a fresh pymemplan-planned allocator that first imports `plans`;
-    checks that live blocks never overlap (and every invariant, every `check_every` events).
-    Returns (allocator, highest reserved, highest live)."""
+    """Replays `trace` through a fresh pymemplan-planned allocator that first imports `plans`
+    (allocator_checks.replay_checked). Returns (allocator, highest reserved, highest live)."""
     device = _core.SimulatedDevice(80 << 30)
     alloc = _core.Allocator(device, POLICY, "")
     if plans:
         alloc.import_plans(plans)
-    ptr, live = {}, {}
-    high = live_bytes = live_high = 0
-    for i, (a, p, n, s) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(),
-                                         trace.size.tolist(), trace.stream.tolist())):
-        if a == 0:
-            q = alloc.malloc(n, s)
-            assert all(q + n <= x or x + live[x] <= q for x in live), "overlapping live blocks"
-            ptr[p], live[q] = q, n
-            live_bytes += n
-        else:
-            q = ptr.pop(p)
-            alloc.free(q)
-            live_bytes -= live.pop(q)
-        high = max(high, alloc.stats()["reserved_bytes.all.current"])
-        live_high = max(live_high, live_bytes)
-        if check_every and i % check_every == 0:
-            check_invariants(alloc, device, live)
+    high, live_high = replay_checked(alloc, device, trace, check_every)
     return alloc, high, live_high
 
 
