@@ -514,6 +514,10 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
       // A plan too small to arm is not adopted: it would only take the cursor from the plan
       // of the iteration while that one waits for its cut. Nor is a plan whose last pass
       // skipped many of its slots (a wrong period, likely) while the active plan matches.
+      // Without virtual memory a plan of an earlier run waits for detection to find it in
+      // this one: its arena, a segment of its own made early, is memory the pool cannot take
+      // pages from as it grows (a random training loop held 1.065 of live, 1.050 without).
+      if (plans_[i].imported && !config_.pool.vmm) continue;
       if (plans_[i].prefix == h && plans_[i].slots.size() > kPrefix &&
           (i != active_ || cursor_ != kPrefix) && worth_an_arena(plans_[i]) &&
           (slot == nullptr || !plans_[i].passed_over)) {

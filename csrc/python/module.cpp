@@ -328,9 +328,10 @@ PYBIND11_MODULE(_core, m) {
       "fuzz",
       [](std::uint64_t ops, std::uint64_t seed, const std::string& policy,
          const std::string& config, std::size_t capacity, std::size_t limit, int streams,
-         bool manual_events, std::uint64_t full_check_every, bool periodic) {
+         bool manual_events, std::uint64_t full_check_every, bool periodic,
+         const std::string& plans) {
         FuzzOptions o{ops, seed, policy, config, capacity, limit, streams, manual_events,
-                      full_check_every, periodic};
+                      full_check_every, periodic, plans};
         FuzzReport r;
         {
           py::gil_scoped_release release;
@@ -356,13 +357,16 @@ PYBIND11_MODULE(_core, m) {
         d["plan_busy_arenas_retired"] = r.plan_busy_arenas_retired;
         d["plan_hole_hits"] = r.plan_hole_hits;
         d["page_shares"] = r.page_shares;
+        d["plans_imported"] = r.plans_imported;
+        d["plans"] = r.plans;
         return d;
       },
       py::arg("ops"), py::arg("seed") = 1, py::arg("policy") = "pymemplan",
       py::arg("config") = "", py::arg("capacity") = std::size_t{4} << 30, py::arg("limit") = 0,
       py::arg("streams") = 3, py::arg("manual_events") = true, py::arg("full_check_every") = 1000,
-      py::arg("periodic") = false,
-      "Random operations checked against the allocator's invariants; raises on a violation.");
+      py::arg("periodic") = false, py::arg("plans") = "",
+      "Random operations checked against the allocator's invariants; raises on a violation. "
+      "pymemplan-planned imports `plans` first, and returns its own in 'plans'.");
 
   m.def(
       "replay",

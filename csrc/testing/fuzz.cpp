@@ -41,6 +41,11 @@ class Fuzzer {
         device_(std::make_shared<SimulatedDevice>(o.capacity, 2 << 20, !o.manual_events)),
         alloc_(make_allocator(device_, o.policy, o.config)) {
     if (o.limit) alloc_->set_memory_limit(o.limit);
+    if (!o.plans.empty()) {
+      auto* planned = dynamic_cast<PlannedAllocator*>(alloc_.get());
+      if (planned == nullptr) throw AllocatorError("fuzz: plans are for pymemplan-planned, not " + o.policy);
+      r_.plans_imported = planned->import_plans(o.plans);
+    }
     // No page may be unmapped while work queued before the free of a block on it (on the
     // block's stream, or streams that used it) may still touch it.
     device_->set_unmap_hook([this](std::uintptr_t page) {
@@ -73,6 +78,7 @@ class Fuzzer {
     drain_to_zero();
     r_.ops = o_.ops;
     if (const auto* planned = dynamic_cast<const PlannedAllocator*>(alloc_.get())) {
+      r_.plans = planned->export_plans();
       for (const auto& [k, v] : planned->plan_stats()) {
         if (k == "plan_hits") r_.plan_hits = static_cast<std::uint64_t>(v);
         if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);

@@ -25,6 +25,9 @@ struct FuzzOptions {
   // divergence); random operations (record_stream, events, extra blocks, empty_cache) are
   // interleaved. This is what exercises plan serving in pymemplan-planned.
   bool periodic = false;
+  // pymemplan-planned: plans (export_plans() text, as a previous run's FuzzReport::plans)
+  // imported before the first operation: a restarted job.
+  std::string plans;
 };
 
 struct FuzzReport {
@@ -41,6 +44,8 @@ struct FuzzReport {
   std::uint64_t plan_full_rearms = 0;      // plans armed by their first requests, then whole
   std::uint64_t plan_busy_arenas_retired = 0;  // arenas retired into the pool with live blocks
   std::uint64_t page_shares = 0;     // share_pages calls that gave pages back
+  std::uint64_t plans_imported = 0;  // pymemplan-planned: of FuzzOptions::plans
+  std::string plans;                 // pymemplan-planned: export_plans() after the last op
 };
 
 // Throws std::logic_error naming the violated invariant, the op index and the seed.

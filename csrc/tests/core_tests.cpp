@@ -150,6 +150,22 @@ int main(int argc, char** argv) {
       // Without virtual memory an arena with live blocks is never retired into the pool (its
       // whole segment would stay pinned beside the next one).
       if (o.config.find("vmm:False") != std::string::npos) CHECK(r.plan_busy_arenas_retired == 0);
+      if (o.periodic) {
+        // The same programs again, restarted with the plans the run ended with (a plan with
+        // offsets of another run, checked against every request).
+        FuzzOptions again = o;
+        again.ops = o.ops / 2 + 1;
+        again.plans = r.plans;
+        const FuzzReport r2 = fuzz(again);
+        std::size_t saved = 0;
+        for (std::size_t at = r.plans.find("\nplan "); at != std::string::npos;
+             at = r.plans.find("\nplan ", at + 1)) {
+          ++saved;
+        }
+        // Fewer where two plans have one signature (a plan made again may equal another).
+        CHECK(r2.plans_imported <= saved && (saved == 0 || r2.plans_imported > 0));
+        CHECK(r2.plan_hits > 0);
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fuzz %s %s: %s\n", c[0], c[1], e.what());
       ++failures;
