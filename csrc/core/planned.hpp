@@ -84,6 +84,11 @@
 //   too, so that the pool does not grow around free space it cannot use.
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
 //   trimming can only return wholly free segments of the pool.
+// - Plans across runs (export_plans / import_plans): the plans that armed, as text, with the
+//   run's highest reserved bytes. A loaded plan is a stored plan that arms at its cut after a
+//   pass of this run matched it, held to that earlier peak rather than this run's so far
+//   (which, in a first step, is no measure of the steps ahead); by its first requests only
+//   once validated and where they select it alone; found by detection, it is the run's own.
 #pragma once
 
 #include <cstddef>
