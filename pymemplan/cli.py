@@ -22,6 +22,8 @@ def _replay(args: argparse.Namespace) -> int:
             trace = read_trace(path)
             results.extend(r.to_dict() for r in replay(trace, policies, capacity=args.capacity,
                                                        granularity=args.granularity))
+            if args.restarted:
+                results.append(_restarted_row(trace, args.capacity, args.granularity))
             if args.offline:
                 results.append(_offline_row(trace, args.granularity))
     except (TraceError, _core.AllocatorError, ValueError, OSError) as e:
@@ -55,6 +57,18 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 OFFLINE = "offline (knows the trace)"
+RESTARTED = "pymemplan-planned, restarted"
+
+
+def _restarted_row(trace, capacity, granularity) -> dict:
+    """A row for pymemplan-planned replaying the trace again with the plans its first replay
+    ended with, as a restarted job would (pymemplan.save_plans / load_plans)."""
+    from .traces.replay import replay
+
+    first = replay(trace, ["pymemplan-planned"], capacity=capacity, granularity=granularity)[0]
+    again = replay(trace, ["pymemplan-planned"], capacity=capacity, granularity=granularity,
+                   plans=first.plans)[0]
+    return {**again.to_dict(), "policy": RESTARTED}
 
 
 def _offline_row(trace, granularity) -> dict:
@@ -95,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a row per trace: the most pages (of --granularity) an allocator "
                          "that knew the whole trace in advance would hold (every block placed "
                          "offline), to tell how much of the waste an allocator could avoid")
+    rp.add_argument("--restarted", action="store_true",
+                    help="add a row per trace: pymemplan-planned replaying it again with the "
+                         "plans its first replay ended with, as a job restarted with "
+                         "pymemplan.load_plans would")
     rp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rp.set_defaults(func=_replay)
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace

@@ -158,3 +158,16 @@ def test_replay_offline_row_says_what_knowing_the_trace_would_hold(capsys):
     assert main(["replay", str(DATA / "cnn_sgd.csv.gz"), "--policy", "torch", "--offline"]) == 0
     out = capsys.readouterr().out
     assert "offline (knows the trace)" in out and "–" in out
+
+
+def test_replay_restarted_row_replays_with_the_first_replays_plans(capsys):
+    """gpt2_6l_s512 (tests/data): restarted with the plans its first replay ended with,
+    pymemplan-planned serves from event 3,106 instead of 5,906 and holds less at its peak."""
+    first, restarted = run_json(capsys, str(DATA / "gpt2_6l_s512.csv.gz"), "--policy",
+                                "pymemplan-planned", "--restarted")
+    assert first["policy"] == "pymemplan-planned"
+    assert restarted["policy"] == "pymemplan-planned, restarted"
+    assert set(restarted) == KEYS
+    assert restarted["peak_live_bytes"] == first["peak_live_bytes"]
+    assert restarted["peak_reserved_bytes"] < first["peak_reserved_bytes"]
+    assert restarted["steady_from_event"] < first["steady_from_event"]
