@@ -391,47 +391,43 @@ def test_plans_saved_by_one_run_serve_the_next_through_the_plugin(tmp_path):
     assert int(second["peak"]) < int(first["peak"]), (first, second)
 
 
+# In a subprocess: raises(fn, error type, text) asserts that fn() raises that error with text.
+RAISES = """
+def raises(fn, kind, text):
+    try:
+        fn()
+    except kind as e:
+        assert text in str(e), e
+    else:
+        raise AssertionError(f"no {kind.__name__} saying {text!r}")
+"""
+
+
 def test_save_and_load_plans_say_what_is_wrong(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("not plans")
-    run(f"""
+    run(RAISES + textwrap.dedent(f"""
         import pymemplan
         from pymemplan.allocator import PluginError, _library
-        try:
-            pymemplan.load_plans({str(bad)!r})
-        except RuntimeError as e:
-            assert "pymemplan.enable('pymemplan-planned') first" in str(e), e
-        else:
-            raise AssertionError("load_plans before enable")
+        raises(lambda: pymemplan.load_plans({str(bad)!r}), RuntimeError,
+               "pymemplan.enable('pymemplan-planned') first")
         pymemplan.enable("pymemplan-planned", oom_action="null")
-        try:
-            pymemplan.save_plans({str(tmp_path / "x.txt")!r})
-        except PluginError as e:
-            assert "nothing was allocated on device 0 yet" in str(e), e
-        else:
-            raise AssertionError("save_plans before any allocation")
-        try:
-            pymemplan.load_plans({str(bad)!r})
-        except PluginError as e:
-            assert "does not start with 'pymemplan-plans'" in str(e), e
-        else:
-            raise AssertionError("bad text")
+        raises(lambda: pymemplan.save_plans({str(tmp_path / "x.txt")!r}), PluginError,
+               "nothing was allocated on device 0 yet")
+        raises(lambda: pymemplan.load_plans({str(bad)!r}), PluginError,
+               "does not start with 'pymemplan-plans'")
         lib = _library.load()
         p = lib.pymemplan_alloc(1 << 20, 0, None)
         assert p, pymemplan.last_error()  # the allocator is intact
         assert pymemplan.save_plans({str(tmp_path / "none.txt")!r}) == 0  # nothing armed yet
-    """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
-    run(f"""
+    """), PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
+    run(RAISES + textwrap.dedent(f"""
         import pymemplan
         from pymemplan.allocator import PluginError
         pymemplan.enable("pymemplan-vmm", oom_action="null")
-        try:
-            pymemplan.load_plans({str(bad)!r})
-        except PluginError as e:
-            assert "policy pymemplan-vmm has no plans; enable pymemplan with policy 'pymemplan-planned'" in str(e), e
-        else:
-            raise AssertionError("load_plans under pymemplan-vmm")
-    """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
+        raises(lambda: pymemplan.load_plans({str(bad)!r}), PluginError,
+               "policy pymemplan-vmm has no plans; enable pymemplan with policy 'pymemplan-planned'")
+    """), PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
 
 
 def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
