@@ -5,7 +5,7 @@
 Trains resnet50 and GPT-2 small (random init) for 20 steps each with PyTorch's native
 allocator, native with expandable_segments:True, pymemplan, pymemplan-vmm and
 pymemplan-planned, each in its own process, and pymemplan-planned once more, restarted
-with the plans the first run saved (save_plans / load_plans). It reports the peak reserved and peak allocated bytes (from each allocator's own
+with the plans the first run saved at exit (PYMEMPLAN_PLANS). It reports the peak reserved and peak allocated bytes (from each allocator's own
 stats), the median step time, and the ratios to native. Beside the native runs it puts
 the planner's predictions for the same step, made without the GPU: the peak of live bytes
 (``pymemplan.trace(..., device="cuda").peak_bytes``) against the peak allocated, and the
@@ -39,8 +39,8 @@ MODES = {
     "pymemplan_vmm": {"PYMEMPLAN_ENABLE": "1", "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-vmm"},
     "pymemplan_planned": {"PYMEMPLAN_ENABLE": "1",
                           "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
-    # The same again, starting with the plans the run before ended with (save_plans /
-    # load_plans through GPU_CHECK_PLANS_OUT / _IN, set by main()).
+    # The same again, starting with the plans the run before wrote at its exit
+    # (PYMEMPLAN_PLANS, a file set by main() for both runs).
     "pymemplan_planned_restarted": {"PYMEMPLAN_ENABLE": "1",
                                     "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
 }
@@ -88,8 +88,6 @@ SETUP = textwrap.dedent("""
 
 WORKER = SETUP + textwrap.dedent("""
     steps = int(sys.argv[2])
-    if os.environ.get("GPU_CHECK_PLANS_IN") and DEVICE != "cpu":
-        pymemplan.load_plans(os.environ["GPU_CHECK_PLANS_IN"])
     batch, train = build()
     times = []
     for _ in range(steps):
@@ -104,8 +102,6 @@ WORKER = SETUP + textwrap.dedent("""
     else:
         stats = torch.cuda.memory_stats()
     times = sorted(times[3:])
-    if os.environ.get("GPU_CHECK_PLANS_OUT") and DEVICE != "cpu":
-        pymemplan.save_plans(os.environ["GPU_CHECK_PLANS_OUT"])
     print(json.dumps({
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
@@ -254,10 +250,8 @@ def main() -> int:
         print(f"{model:9s} recorded: {json.dumps(recorded[model])[:400]}", flush=True)
         plans = os.path.join(tempfile.mkdtemp(), f"{model}_plans.txt")
         for mode, env in MODES.items():
-            if mode == "pymemplan_planned":
-                env = {**env, "GPU_CHECK_PLANS_OUT": plans}
-            elif mode == "pymemplan_planned_restarted":
-                env = {**env, "GPU_CHECK_PLANS_IN": plans}
+            if mode.startswith("pymemplan_planned"):
+                env = {**env, "PYMEMPLAN_PLANS": plans}  # written by the first, read by the next
             r = subprocess.run([sys.executable, "-c", WORKER, model, "20"], capture_output=True,
                                text=True, timeout=240, env={**os.environ, **env})
             if r.returncode != 0:

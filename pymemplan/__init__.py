@@ -3,7 +3,8 @@
 ``pymemplan.enable()`` makes pymemplan's caching allocator PyTorch's CUDA allocator; see
 pymemplan.allocator for its stats, snapshots and known incompatibilities. With
 ``PYMEMPLAN_ENABLE=1`` in the environment, ``import pymemplan`` enables it, configured by
-``PYMEMPLAN_ALLOC_CONF="key:value,..."`` (a ``policy:NAME`` item picks the policy).
+``PYMEMPLAN_ALLOC_CONF="key:value,..."`` (a ``policy:NAME`` item picks the policy) and, for
+pymemplan-planned, ``PYMEMPLAN_PLANS=path`` (plans loaded from there and saved at exit).
 """
 
 import os as _os

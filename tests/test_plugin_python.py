@@ -430,6 +430,110 @@ def test_save_and_load_plans_say_what_is_wrong(tmp_path):
     """), PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
 
 
+
+# The same loop with pymemplan enabled from the environment (PYMEMPLAN_PLANS included), the
+# way a job is run again without touching its code.
+REPLAY_FROM_ENVIRONMENT = REPLAY_WITH_PLANS.replace(
+    'pymemplan.enable("pymemplan-planned", oom_action="null")\n', "assert pymemplan.is_enabled()\n")
+
+
+def test_plans_file_kept_across_runs_without_code(tmp_path):
+    """PYMEMPLAN_PLANS: the first run finds no file and writes its plans at exit; the second
+    loads them and peaks lower, as with save_plans/load_plans; a run that arms no plan leaves
+    the file as it was."""
+    code = REPLAY_FROM_ENVIRONMENT.format(benchmarks=str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    plans = tmp_path / "plans.txt"
+    env = dict(PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="2GiB", PYMEMPLAN_ENABLE="1",
+               PYMEMPLAN_ALLOC_CONF="policy:pymemplan-planned,oom_action:null",
+               PYMEMPLAN_PLANS=str(plans))
+    first = dict(line.split() for line in run(code, **env).stdout.splitlines())
+    saved = plans.read_text()
+    assert saved.startswith("pymemplan-plans 1") and int(saved.splitlines()[2]) >= 1
+    second = dict(line.split() for line in run(code, **env).stdout.splitlines())
+    assert int(second["peak"]) < int(first["peak"]), (first, second)
+    kept = plans.read_text()
+    assert kept.startswith("pymemplan-plans 1")
+    run("import pymemplan; assert pymemplan.is_enabled()", **env)  # no GPU used: nothing armed
+    assert plans.read_text() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.txt"]  # no temporary left
+
+
+def test_plans_file_per_device(tmp_path):
+    """{device} in the path: a file per device. Without it, plans of two devices are not
+    written over each other: stderr says how to keep both."""
+    code = textwrap.dedent("""
+        import pymemplan
+        from pymemplan.allocator import _library
+        lib = _library.load()
+        for step in range(12):  # the same step on both devices, a plan worth an arena
+            for device in (0, 1):
+                ptrs = [lib.pymemplan_alloc(n << 20, device, None) for n in (8, 24, 4, 16, 2)]
+                assert all(ptrs), pymemplan.last_error()
+                for p, n in zip(ptrs, (8, 24, 4, 16, 2)):
+                    lib.pymemplan_free(p, n << 20, device, None)
+    """)
+    env = dict(PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB", FAKECUDA_DEVICE_COUNT="2",
+               PYMEMPLAN_ENABLE="1", PYMEMPLAN_ALLOC_CONF="policy:pymemplan-planned,oom_action:null")
+    run(code, PYMEMPLAN_PLANS=str(tmp_path / "plans.{device}.txt"), **env)
+    for device in (0, 1):
+        text = (tmp_path / f"plans.{device}.txt").read_text()
+        assert int(text.splitlines()[2]) >= 1, text
+    one = tmp_path / "one.txt"
+    out = run(code, PYMEMPLAN_PLANS=str(one), **env)
+    assert not one.exists()
+    assert "plans of devices [0, 1] were not saved" in out.stderr and "{device}" in out.stderr
+    # Each device's file is checked and staged for its own allocator.
+    run(code, PYMEMPLAN_PLANS=str(tmp_path / "plans.{device}.txt"), **env)
+
+
+def test_plans_file_errors(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("pymemplan-plans 1\npeak 10\n1\nplan 16 5 1\n513 0 0 4\n")
+    env = dict(PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
+    run(RAISES + textwrap.dedent(f"""
+        import pymemplan
+        raises(lambda: pymemplan.enable("pymemplan-vmm", plans="p.txt"), ValueError,
+               "plans='p.txt' needs the policy 'pymemplan-planned'")
+        raises(lambda: pymemplan.enable("pymemplan-planned", plans={str(bad)!r}), ValueError,
+               "plans file {str(bad)!r}: import_plans: bad number of slots '1'")
+        assert not pymemplan.is_enabled()  # a bad file changes nothing
+        pymemplan.enable("pymemplan-planned", plans={str(tmp_path / "new.txt")!r})
+        pymemplan.enable("pymemplan-planned")  # again, with nothing asked about plans: fine
+        raises(lambda: pymemplan.enable("pymemplan-planned", plans="other.txt"), RuntimeError,
+               "plans= is taken from the first enable() only")
+    """), **env)
+    out = run("import pymemplan", check=False, PYMEMPLAN_ENABLE="1", PYMEMPLAN_PLANS=str(bad),
+              PYMEMPLAN_ALLOC_CONF="policy:pymemplan-planned", **env)
+    assert out.returncode != 0
+    assert f"PYMEMPLAN_PLANS={str(bad)!r}: plans file" in out.stderr, out.stderr
+    out = run("import pymemplan", check=False, PYMEMPLAN_ENABLE="1", PYMEMPLAN_PLANS="p.txt", **env)
+    assert "needs the policy 'pymemplan-planned'" in out.stderr, out.stderr
+
+
+def test_staged_plans_reach_allocators_made_before_and_after():
+    """The C API under enable(plans=): an allocator that exists takes staged plans at once
+    (bad text fails the call); one made later takes them as it is made, and text that slipped
+    past Python's check is reported on stderr there while the allocator serves on."""
+    out = run_fake("""
+        configure("pymemplan-planned", oom_action="null")
+        assert lib.pymemplan_stage_plans(1, b"not plans") == 0  # device 1 has no allocator yet
+        p = lib.pymemplan_alloc(MiB, 0, None)
+        assert p
+        assert lib.pymemplan_stage_plans(0, b"not plans") == -1  # device 0 has one: imported now
+        assert "does not start with 'pymemplan-plans'" in pymemplan.last_error()
+        assert lib.pymemplan_stage_plans(-2, b"") == -1 and "invalid device" in pymemplan.last_error()
+        q = lib.pymemplan_alloc(MiB, 1, None)  # made now: the staged text is refused, reported
+        assert q, pymemplan.last_error()
+        sys.stderr.flush()
+    """, FAKECUDA_DEVICE_COUNT="2", FAKECUDA_CAPACITY="1GiB")
+    assert "the plans staged for device 1 were not loaded" in out.stderr
+    out = run_fake("""
+        configure("pymemplan-vmm", oom_action="null")
+        assert lib.pymemplan_stage_plans(-1, b"x") == -1
+        assert "policy pymemplan-vmm has no plans" in pymemplan.last_error()
+    """)
+
+
 def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
     path = tmp_path / "snapshot.pickle"
     run_fake(f"""

@@ -36,6 +36,10 @@ struct Plugin {
   PluginConfig config;
   std::array<std::atomic<Allocator*>, kMaxDevices> allocators{};
   std::atomic<bool> raise_on_oom{true};
+  // Plans for allocators not made yet (pymemplan_stage_plans), per device and for any device:
+  // loading them must not make a device's allocator early, which retains a CUDA context.
+  std::array<std::string, kMaxDevices> staged_plans;
+  std::string staged_plans_any;
 };
 
 Plugin& plugin() {
@@ -93,6 +97,18 @@ Allocator& allocator_for(int device) {
   if (a == nullptr) {
     a = make_allocator(std::make_shared<CudaDevice>(device), p.config.policy, p.config.config)
             .release();  // owned by the plugin until exit
+    const std::string& staged = p.staged_plans[static_cast<std::size_t>(device)];
+    const std::string& text = staged.empty() ? p.staged_plans_any : staged;
+    if (auto* planned = dynamic_cast<PlannedAllocator*>(a); planned != nullptr && !text.empty()) {
+      // Checked when staged; plans are only a head start, so a failure here (text staged
+      // without pymemplan's checks) is reported and the allocator serves without them.
+      try {
+        planned->import_plans(text);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "pymemplan: the plans staged for device %d were not loaded: %s\n", device,
+                     e.what());
+      }
+    }
     p.allocators[static_cast<std::size_t>(device)].store(a, std::memory_order_release);
   }
   return *a;
@@ -336,6 +352,25 @@ int pymemplan_import_plans(int device, const char* text, std::size_t* added) {
   });
   if (added != nullptr) *added = n;
   return rc;
+}
+
+int pymemplan_stage_plans(int device, const char* text) {
+  return guarded([&] {
+    if (text == nullptr) throw AllocatorError("stage_plans: no text");
+    if (device < -1 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
+    Plugin& p = plugin();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    if (p.config.policy != "pymemplan-planned") {
+      throw AllocatorError("stage_plans: policy " + p.config.policy +
+                           " has no plans; enable pymemplan with policy 'pymemplan-planned'");
+    }
+    // Allocators made already take them now; the others when they are made.
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (device != -1 && d != device) continue;
+      if (Allocator* a = existing_allocator(d)) planned(*a, "stage_plans").import_plans(text);
+    }
+    (device == -1 ? p.staged_plans_any : p.staged_plans[static_cast<std::size_t>(device)]) = text;
+  });
 }
 
 const char* pymemplan_last_error(void) { return last_error.c_str(); }

@@ -66,6 +66,12 @@ long pymemplan_export_plans(int device, char* buf, size_t len);
  * first requests and served once a step of this run has matched it. Bad text fails and adds
  * nothing. *added (if not NULL): the plans added (those already known are not). */
 int pymemplan_import_plans(int device, const char* text, size_t* added);
+/* pymemplan-planned: plans that pymemplan_export_plans wrote, for a device (-1: every device)
+ * whose allocator may not exist yet. An allocator that exists takes them at once, as
+ * pymemplan_import_plans; one made later takes them as it is made, so that loading plans
+ * does not touch the driver. Text for one device wins over text for every device. Fails for
+ * another policy, or text an existing allocator refuses. */
+int pymemplan_stage_plans(int device, const char* text);
 /* The last error of the calling thread (OOM message, bad pointer, driver failure), or "". */
 const char* pymemplan_last_error(void);
 /* Number of devices the driver reports, or -1 with last_error set (no driver, ...). */

@@ -7,7 +7,8 @@
     pymemplan.save_snapshot("snap.pickle")    # python -m torch.cuda._memory_viz stats snap.pickle
 
 Or, without touching the code: ``PYMEMPLAN_ENABLE=1 PYMEMPLAN_ALLOC_CONF="max_split_size_mb:512"``
-in the environment and ``import pymemplan`` at the top of the program.
+in the environment and ``import pymemplan`` at the top of the program
+(``PYMEMPLAN_PLANS=plans.txt`` with policy:pymemplan-planned keeps its plans across runs).
 
 The allocator lives in libpymemplan_alloc.so, loaded by PyTorch's
 ``torch.cuda.memory.CUDAPluggableAllocator``. PyTorch's own torch.cuda.memory_stats(),

@@ -7,7 +7,7 @@ import threading
 import warnings
 from typing import Any
 
-from . import _library
+from . import _library, _plans
 from ._config import DEFAULT_POLICY, canonical, format_config, format_value, parse_config
 
 # PyTorch's optional CUDAPluggableAllocator hooks and our functions for them. Not every torch
@@ -29,6 +29,7 @@ class _State:
         self.torch_allocator: Any = None  # kept alive: it holds the plugin's function pointers
         self.hooks: tuple[str, ...] = ()  # the optional hooks that were set
         self.warned_cudnn = False
+        self.plans: str | None = None  # enable(plans=...): where plans are loaded and saved
 
 
 _state = _State()
@@ -113,7 +114,8 @@ def _set_optional_hooks(raw_allocator: Any) -> tuple[str, ...]:
     return tuple(done)
 
 
-def enable(policy: str = DEFAULT_POLICY, **config: Any) -> None:
+def enable(policy: str = DEFAULT_POLICY, *, plans: str | os.PathLike | None = None,
+           **config: Any) -> None:
     """Make pymemplan PyTorch's CUDA allocator. Call it before CUDA is initialized.
 
     ``config`` holds the allocator's keys: max_split_size_mb, roundup_power2_divisions,
@@ -124,15 +126,31 @@ def enable(policy: str = DEFAULT_POLICY, **config: Any) -> None:
     placement over the vmm pool), "torch" (a model of PyTorch's own rules) or "nocache";
     each policy's keys are listed in the README's Policies section.
 
+    ``plans`` (pymemplan-planned only): a file of plans kept across runs. If it exists, its
+    plans (save_plans' text) are loaded, so that a job run again with the same shapes (a
+    restart, the next run of a sweep) serves its second step from them; at exit the plans
+    this run armed are written there at a normal exit (not when a signal kills the
+    process: call save_plans() too for that). ``{device}`` in the path makes a file per device.
+
     Calling it again with the same config does nothing; with another config it raises.
     Raises ValueError for a bad key or value, RuntimeError when CUDA was initialized first,
     PluginLoadError when libpymemplan_alloc.so cannot be loaded.
     """
     with _state.lock:
+        template = None if plans is None else os.fspath(plans)
         if _state.enabled:
-            if canonical(policy, config) == _state.canonical:
-                return
-            raise RuntimeError(_already_active_message(policy, config))
+            if canonical(policy, config) != _state.canonical:
+                raise RuntimeError(_already_active_message(policy, config))
+            if template is not None and template != _state.plans:
+                raise RuntimeError(
+                    f"pymemplan is already enabled with plans={_state.plans!r}; plans= is taken "
+                    f"from the first enable() only (asked for {template!r})")
+            return
+        if template is not None and policy != "pymemplan-planned":
+            raise ValueError(f"plans={template!r} needs the policy 'pymemplan-planned' (asked "
+                             f"for {policy!r}): only it makes plans")
+        # Read and checked before PyTorch's allocator is swapped: a bad file changes nothing.
+        staged = _plans.read_plans(template) if template is not None else {}
         configure(policy, **config)
         try:
             import torch
@@ -163,6 +181,9 @@ def enable(policy: str = DEFAULT_POLICY, **config: Any) -> None:
         _state.enabled = True
         _state.torch_allocator = allocator
         _state.hooks = hooks
+        if template is not None:
+            _plans.stage(template, staged)
+            _state.plans = template
 
 
 def is_enabled() -> bool:
@@ -176,10 +197,15 @@ def active_config() -> dict[str, str] | None:
 
 
 def enable_from_environment() -> None:
-    """enable() with PYMEMPLAN_ALLOC_CONF ("key:value,...", `policy:` picks the policy)."""
+    """enable() with PYMEMPLAN_ALLOC_CONF ("key:value,...", `policy:` picks the policy) and
+    PYMEMPLAN_PLANS (enable's plans=)."""
     text = os.environ.get("PYMEMPLAN_ALLOC_CONF", "")
+    plans = os.environ.get("PYMEMPLAN_PLANS") or None
     try:
         policy, config = parse_config(text)
-        enable(policy or DEFAULT_POLICY, **config)
+        enable(policy or DEFAULT_POLICY, plans=plans, **config)
     except ValueError as e:  # say where the bad config came from
-        raise ValueError(f"PYMEMPLAN_ALLOC_CONF={text!r}: {e}") from None
+        where = f"PYMEMPLAN_ALLOC_CONF={text!r}"
+        if plans is not None:
+            where += f", PYMEMPLAN_PLANS={plans!r}"
+        raise ValueError(f"{where}: {e}") from None

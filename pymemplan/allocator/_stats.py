@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from ..units import parse_bytes
-from . import _library
+from . import _library, _plans
 
 _DEVICE_STRING = re.compile(r"^\s*(?:cuda(?::(\d+))?|(\d+))\s*$")
 
@@ -176,16 +176,14 @@ def save_plans(path: str | os.PathLike, device: Any = None) -> int:
         pymemplan.save_plans("plans.txt")
 
     With several GPUs, save and load each device's plans in a file of its own.
+    ``enable("pymemplan-planned", plans=path)`` does both by itself.
     Raises PluginError for another policy, or where nothing was allocated on the device yet.
     """
     index = device_index(device)
     text = _library.read_text(_library.load().pymemplan_export_plans, index,
                               f"save_plans(device={index})")
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:  # a run killed mid-write leaves the old file whole
-        f.write(text)
-    os.replace(tmp, path)
-    return int(text.splitlines()[2])
+    _plans.write_atomic(path, text)
+    return _plans.plan_count(text)
 
 
 def load_plans(path: str | os.PathLike, device: Any = None) -> int:
