@@ -497,6 +497,8 @@ def test_plans_file_errors(tmp_path):
         raises(lambda: pymemplan.enable("pymemplan-planned", plans={str(bad)!r}), ValueError,
                "plans file {str(bad)!r}: import_plans: bad number of slots '1'")
         assert not pymemplan.is_enabled()  # a bad file changes nothing
+        raises(lambda: pymemplan.enable("pymemplan-planned", plans={str(tmp_path / "no" / "p.txt")!r}),
+               ValueError, "the folder {str(tmp_path / "no")!r} does not exist")
         pymemplan.enable("pymemplan-planned", plans={str(tmp_path / "new.txt")!r})
         pymemplan.enable("pymemplan-planned")  # again, with nothing asked about plans: fine
         raises(lambda: pymemplan.enable("pymemplan-planned", plans="other.txt"), RuntimeError,

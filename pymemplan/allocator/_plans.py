@@ -42,6 +42,11 @@ def read_plans(template: str) -> dict[int, str]:
     without {device}. Raises ValueError naming the file for text save_plans did not write."""
     from .. import _core
 
+    folder = os.path.dirname(os.path.abspath(template))
+    if not os.path.isdir(folder):
+        # Found now rather than at exit, when the run's plans could only be lost.
+        raise ValueError(f"plans={template!r}: the folder {folder!r} does not exist; create "
+                         "it, or give a path in an existing folder")
     if DEVICE_FIELD in template:
         paths = {d: plan_path(template, d) for d in range(MAX_DEVICES)}
     else:
