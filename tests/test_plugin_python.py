@@ -499,7 +499,12 @@ def test_plans_file_errors(tmp_path):
         assert not pymemplan.is_enabled()  # a bad file changes nothing
         raises(lambda: pymemplan.enable("pymemplan-planned", plans={str(tmp_path / "no" / "p.txt")!r}),
                ValueError, "the folder {str(tmp_path / "no")!r} does not exist")
-        pymemplan.enable("pymemplan-planned", plans={str(tmp_path / "new.txt")!r})
+        raises(lambda: pymemplan.save_plans(), ValueError, "save_plans() needs a path")
+        pymemplan.enable("pymemplan-planned", plans={str(tmp_path / "new.{device}.txt")!r})
+        from pymemplan.allocator import _library
+        assert _library.load().pymemplan_alloc(1 << 20, 0, None)
+        assert pymemplan.save_plans() == 0  # nothing armed yet, but written where plans= says
+        assert open({str(tmp_path / "new.0.txt")!r}).read().startswith("pymemplan-plans 1")
         pymemplan.enable("pymemplan-planned")  # again, with nothing asked about plans: fine
         raises(lambda: pymemplan.enable("pymemplan-planned", plans="other.txt"), RuntimeError,
                "plans= is taken from the first enable() only")

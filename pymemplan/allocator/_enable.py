@@ -128,9 +128,9 @@ def enable(policy: str = DEFAULT_POLICY, *, plans: str | os.PathLike | None = No
 
     ``plans`` (pymemplan-planned only): a file of plans kept across runs. If it exists, its
     plans (save_plans' text) are loaded, so that a job run again with the same shapes (a
-    restart, the next run of a sweep) serves its second step from them; at exit the plans
-    this run armed are written there at a normal exit (not when a signal kills the
-    process: call save_plans() too for that). ``{device}`` in the path makes a file per device.
+    restart, the next run of a sweep) serves its second step from them; the plans this run
+    armed are written there when the process exits normally (not when a signal kills it:
+    call save_plans() for that). ``{device}`` in the path makes a file per device.
 
     Calling it again with the same config does nothing; with another config it raises.
     Raises ValueError for a bad key or value, RuntimeError when CUDA was initialized first,

@@ -164,7 +164,7 @@ def share_pages(device: Any = None) -> int:
     return given.value
 
 
-def save_plans(path: str | os.PathLike, device: Any = None) -> int:
+def save_plans(path: str | os.PathLike | None = None, device: Any = None) -> int:
     """Write the plans ``pymemplan-planned`` armed in this run on a device to `path` (text);
     returns how many. ``load_plans`` in a later run of the same job (a restart, the next run
     of a sweep with the same shapes) serves its first steps from them::
@@ -176,10 +176,19 @@ def save_plans(path: str | os.PathLike, device: Any = None) -> int:
         pymemplan.save_plans("plans.txt")
 
     With several GPUs, save and load each device's plans in a file of its own.
-    ``enable("pymemplan-planned", plans=path)`` does both by itself.
-    Raises PluginError for another policy, or where nothing was allocated on the device yet.
+    ``enable("pymemplan-planned", plans=path)`` does both by itself, saving at a normal exit;
+    ``save_plans()`` with no path then saves to that file now (a job that may be killed by a
+    signal calls it once its plans serve). Raises PluginError for another policy, or where
+    nothing was allocated on the device yet, and ValueError for no path without plans=.
     """
     index = device_index(device)
+    if path is None:
+        from ._enable import _state
+
+        if _state.plans is None:
+            raise ValueError("save_plans() needs a path, or pymemplan.enable(..., plans=path) "
+                             "first to save where that run loads its plans from")
+        path = _plans.plan_path(_state.plans, index)
     text = _library.read_text(_library.load().pymemplan_export_plans, index,
                               f"save_plans(device={index})")
     _plans.write_atomic(path, text)
