@@ -18,10 +18,19 @@ def _replay(args: argparse.Namespace) -> int:
     policies = args.policy or list(DEFAULT_POLICIES)
     results = []
     try:
+        plans = _read_plans_option(args.plans)
+        if plans is not None and not any(p.split("=")[0] == "pymemplan-planned" for p in policies):
+            raise ValueError("--plans is for pymemplan-planned: add --policy pymemplan-planned")
+        if args.save_plans is not None and len(paths) != 1:
+            raise ValueError(f"--save-plans writes the plans of one trace; {len(paths)} were "
+                             "given (name one TRACE)")
         for path in paths:
             trace = read_trace(path)
-            results.extend(r.to_dict() for r in replay(trace, policies, capacity=args.capacity,
-                                                       granularity=args.granularity))
+            replayed = replay(trace, policies, capacity=args.capacity,
+                              granularity=args.granularity, plans=plans)
+            results.extend(r.to_dict() for r in replayed)
+            if args.save_plans is not None:
+                _save_plans_option(args.save_plans, replayed)
             if args.restarted:
                 results.append(_restarted_row(trace, args.capacity, args.granularity))
             if args.offline:
@@ -54,6 +63,24 @@ def _replay(args: argparse.Namespace) -> int:
     # Piped output has no terminal width to fit; keep rows on one line.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
+
+
+def _read_plans_option(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _save_plans_option(path: str, replayed) -> None:
+    """Writes the plans pymemplan-planned ended its replay with (as save_plans would)."""
+    from .allocator._plans import write_atomic
+
+    planned = [r for r in replayed if r.plans is not None]  # only pymemplan-planned has plans
+    if not planned:
+        raise ValueError("--save-plans needs a pymemplan-planned replay: add "
+                         "--policy pymemplan-planned")
+    write_atomic(path, planned[0].plans)
 
 
 OFFLINE = "offline (knows the trace)"
@@ -113,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a row per trace: pymemplan-planned replaying it again with the "
                          "plans its first replay ended with, as a job restarted with "
                          "pymemplan.load_plans would")
+    rp.add_argument("--plans", metavar="FILE",
+                    help="pymemplan-planned starts with the plans in FILE (written by "
+                         "pymemplan.save_plans, enable(plans=...) or --save-plans), as a job "
+                         "started with them would")
+    rp.add_argument("--save-plans", metavar="FILE",
+                    help="write the plans pymemplan-planned ended its replay of TRACE with, "
+                         "for a job to start with (enable(plans=FILE), PYMEMPLAN_PLANS=FILE)")
     rp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rp.set_defaults(func=_replay)
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace

@@ -171,3 +171,40 @@ def test_replay_restarted_row_replays_with_the_first_replays_plans(capsys):
     assert restarted["peak_live_bytes"] == first["peak_live_bytes"]
     assert restarted["peak_reserved_bytes"] < first["peak_reserved_bytes"]
     assert restarted["steady_from_event"] < first["steady_from_event"]
+
+
+def test_replay_saves_plans_and_starts_from_a_plans_file(capsys, tmp_path):
+    """--save-plans writes what the replay ended with; --plans starts from a file: together,
+    the --restarted row, so plans made offline from a recorded run can start a job."""
+    trace = str(DATA / "gpt2_6l_s512.csv.gz")
+    plans = tmp_path / "plans.txt"
+    first, restarted = run_json(capsys, trace, "--policy", "pymemplan-planned", "--restarted",
+                                "--save-plans", str(plans))
+    assert plans.read_text().startswith("pymemplan-plans 1")
+    [loaded] = run_json(capsys, trace, "--policy", "pymemplan-planned", "--plans", str(plans))
+    assert loaded["policy"] == "pymemplan-planned"
+    assert loaded["steady_from_event"] < first["steady_from_event"]  # the plans served sooner
+    for key in ("peak_reserved_bytes", "steady_from_event", "steady_peak_reserved_bytes"):
+        assert loaded[key] == restarted[key], key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.txt"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plans", "PLANS"], "--plans is for pymemplan-planned: add --policy pymemplan-planned"),
+    (["--policy", "pymemplan-planned", "--plans", "BAD"],
+     "import_plans: it does not start with 'pymemplan-plans'"),
+    (["--policy", "pymemplan-planned", "--plans", "MISSING"], "No such file"),
+    (["--save-plans", "OUT"], "--save-plans needs a pymemplan-planned replay"),
+    (["SECOND", "--policy", "pymemplan-planned", "--save-plans", "OUT"],
+     "--save-plans writes the plans of one trace; 2 were given"),
+])
+def test_replay_plans_options_say_what_is_wrong(capsys, tmp_path, argv, message):
+    (tmp_path / "bad.txt").write_text("junk")
+    (tmp_path / "plans.txt").write_text("pymemplan-plans 1\npeak 0\n0\n")
+    names = {"PLANS": tmp_path / "plans.txt", "BAD": tmp_path / "bad.txt",
+             "MISSING": tmp_path / "missing.txt", "OUT": tmp_path / "out.txt",
+             "SECOND": DATA / "gpt2_6l_s512.csv.gz"}
+    argv = [str(names.get(a, a)) for a in argv]
+    assert main(["replay", str(DATA / "gpt2_6l_s512.csv.gz"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.txt").exists()
