@@ -556,7 +556,7 @@ def workloads():
         "gpt2": (*gpt2(4, 256), 3),
         "bert_base": (*bert(8, [256]), 3),
         "bert_varlen": (*bert(8, varlen), len(varlen)),
-        # Held out: not looked at while choosing the policy's defaults (see README).
+        # Held out: not looked at while choosing the policy's defaults (see docs/allocator-benchmark.md).
         "resnet18_b32": (*vision("resnet18", 32), 3),
         "mobilenet_v3_b16": (*vision("mobilenet_v3_large", 16), 3),
         "gpt2_6l_s512": (*gpt2(2, 512, layers=6), 3),

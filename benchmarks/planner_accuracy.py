@@ -1,7 +1,7 @@
 """How exact is the planner? Predicted peak vs. the measured peak of a real step.
 
     python benchmarks/planner_accuracy.py             # CPU: writes results/planner_accuracy.json
-    python benchmarks/planner_accuracy.py --markdown  # also print the README table
+    python benchmarks/planner_accuracy.py --markdown  # also print the table of docs/planner.md
     python benchmarks/planner_accuracy.py --gpu       # GPU machines only: device="cuda" check
 
 CPU (always): for each model, for forward+backward and for forward+backward+Adam (the

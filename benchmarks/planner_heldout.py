@@ -1,7 +1,7 @@
 """The planner on models it was not developed on: predicted peak vs. a real CPU step.
 
     python benchmarks/planner_heldout.py             # writes results/planner_heldout.json
-    python benchmarks/planner_heldout.py --markdown  # also print the README table
+    python benchmarks/planner_heldout.py --markdown  # also print the table of docs/planner.md
 
 ``benchmarks/planner_accuracy.py`` checks the models the planner was built against. These
 are others, each with something those lack: a UNet (GroupNorm, SiLU, upsampling, skip

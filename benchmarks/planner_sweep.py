@@ -1,7 +1,7 @@
 """The planner across many architectures: predicted peak vs. a real CPU step, tiny configs.
 
     python benchmarks/planner_sweep.py             # writes results/planner_sweep.json
-    python benchmarks/planner_sweep.py --markdown  # also print the README summary
+    python benchmarks/planner_sweep.py --markdown  # also print the summary of docs/planner.md
 
 ``planner_accuracy.py`` and ``planner_heldout.py`` measure a few models at realistic sizes.
 This measures breadth: 41 architectures from Hugging Face transformers (decoders, encoders,

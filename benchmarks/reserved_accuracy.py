@@ -1,7 +1,7 @@
 """Predicted reserved memory vs. the reserved memory of a recorded run.
 
     python benchmarks/reserved_accuracy.py             # writes results/reserved_accuracy.json
-    python benchmarks/reserved_accuracy.py --markdown  # also print the README table
+    python benchmarks/reserved_accuracy.py --markdown  # also print the table of docs/planner.md
 
 ``MemoryTrace.reserved_peak(policy)`` replays the planner's predicted allocation trace
 through an allocator policy: what PyTorch (or pymemplan) will *reserve* over a run, which
@@ -102,7 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", help="workload names")
-    ap.add_argument("--markdown", action="store_true", help="print the README table")
+    ap.add_argument("--markdown", action="store_true", help="print the table of docs/planner.md")
     args = ap.parse_args()
 
     import torch

@@ -1,7 +1,7 @@
 """How exact is ``pymemplan.advise``? Every row against a real CPU step in its configuration.
 
     python benchmarks/whatif_accuracy.py               # reduced sizes: 23 min on 2 busy cores
-    python benchmarks/whatif_accuracy.py --markdown    # also print the README tables
+    python benchmarks/whatif_accuracy.py --markdown    # also print the tables of docs/whatif.md
     python benchmarks/whatif_accuracy.py --report --markdown   # tables of the last run
     python benchmarks/whatif_accuracy.py --models bert --update --sharding skip  # redo one
     python benchmarks/whatif_accuracy.py --scale full  # the planner_accuracy sizes (slow)
@@ -706,7 +706,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", choices=list(SCALES), default="reduced")
     ap.add_argument("--models", nargs="*", default=["gpt2", "bert", "resnet50"],
                     choices=["gpt2", "bert", "resnet50"])
-    ap.add_argument("--markdown", action="store_true", help="print the README tables")
+    ap.add_argument("--markdown", action="store_true", help="print the tables of docs/whatif.md")
     ap.add_argument("--no-kitsune", action="store_true", help="skip torch-kitsune")
     ap.add_argument("--sharding", choices=["run", "reuse", "skip"], default="run",
                     help="2-rank gloo DDP and FSDP rows: run benchmarks/whatif_sharding.py "
