@@ -59,6 +59,20 @@ def test_trace_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("body, message", [
+    ("def build():\n    return make_model()\n",
+     "build() failed (at {f}:2, in build): NameError: name 'make_model' is not defined"),
+    ("import torch\nraise RuntimeError('needs a dataset path')\ndef build(): pass\n",
+     "running {f} failed (at {f}:2, in <module>): RuntimeError: needs a dataset path"),
+])
+def test_a_model_file_that_fails_says_where_in_it(tmp_path, capsys, body, message):
+    # The user's own code failing is an error naming its line, not a traceback.
+    f = tmp_path / "model.py"
+    f.write_text(body)
+    assert main(["trace", f"{f}:build", "--device", "cpu"]) == 2
+    assert message.format(f=f) in capsys.readouterr().err
+
+
 def test_import_pymemplan_does_not_import_torch():
     code = ("import sys, pymemplan, pymemplan.cli; "
             "assert 'torch' not in sys.modules; "

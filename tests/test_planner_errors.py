@@ -127,3 +127,29 @@ def test_other_bad_arguments():
     with pytest.raises(UntraceableError):
         pymemplan.trace(Net(), (torch.randn(4, 8),), loss_fn=mean_loss)
     assert model.training is False
+
+
+class Broken(nn.Module):
+    """Fails in Python, before any op: as a model reading a config attribute it lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * self.missing_setting
+
+
+def test_python_error_in_a_forward_names_the_module_and_line_not_the_loss():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), Broken()))
+    with pytest.raises(UntraceableError) as e:
+        pymemplan.trace(model, (torch.randn(4, 8),), loss_fn=mean_loss)
+    msg = str(e.value)
+    assert "module '1.1'" in msg and "outside the model" not in msg
+    assert "missing_setting" in msg and "test_planner_errors.py:" in msg
+    # The same error raised by the loss function is placed there.
+
+    def bad_loss(out):
+        raise AttributeError("the loss needs a 'missing_setting'")
+    with pytest.raises(UntraceableError, match=r"outside the model \(the loss function\?\)"):
+        pymemplan.trace(nn.Linear(8, 8), (torch.randn(4, 8),), loss_fn=bad_loss)

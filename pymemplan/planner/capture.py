@@ -26,6 +26,8 @@ import bisect
 import contextlib
 import functools
 import inspect
+import os
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -79,6 +81,10 @@ class _Recorder:
         self.param_module: dict[int, str] = {}  # id(fake parameter) -> owning module path
         self.closed = False
         self.error: tuple | None = None     # (exception, op, module, phase, input shapes)
+        # The innermost module an exception raised outside any op (Python code in a
+        # forward) unwound through: (exception, module). The module stack is popped on
+        # the way out by the always-called forward hooks, so it is noted as they pop.
+        self.unwound: tuple | None = None
         # trace(nonzero_density=): the share of a mask's elements taken as true where an
         # output's size depends on values (torch.nonzero, boolean masks); None: an error.
         self.nonzero_density: float | None = None
@@ -793,7 +799,9 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
     if rec.error is not None:
         err, op, module, phase, shapes = rec.error
     else:
-        err, op, module, phase, shapes = exc, None, rec.module_now(), rec.phase, []
+        module = (rec.unwound[1] if rec.unwound is not None and _in_chain(rec.unwound[0], exc)
+                  else rec.module_now())
+        err, op, phase, shapes = exc, None, rec.phase, []
     where = ("code outside the model (the loss function?)" if module == OUTSIDE else
              f"module '{module}'" if module else "the model's own forward (top level)")
     value_dependent = isinstance(err, (DataDependentOutputException, DynamicOutputShapeException))
@@ -817,8 +825,49 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
             f"the inputs do not fit {_signature_hint(model)} ({err}); it was called with "
             f"{_describe_inputs(args)}. Pass inputs as a tuple of positional arguments.")
     at = f"op {op} in " if op else ""
-    return UntraceableError(f"the {phase} pass failed at {at}{where}: "
+    line = "" if op else _raising_line(err, _module_at(model, module))
+    return UntraceableError(f"the {phase} pass failed at {at}{where}{line}: "
                             f"{type(err).__name__}: {err}")
+
+
+def _in_chain(cause: BaseException, exc: BaseException) -> bool:
+    """Whether `exc` is `cause` or was raised from it (explicitly or while handling it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if exc is cause:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _module_at(model, path: str):
+    if path == OUTSIDE:
+        return None
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+
+
+def _raising_line(err: BaseException, module) -> str:
+    """Where Python code (not an op) raised, as ' (file:line, in f)': the innermost frame
+    of a method of the failing module (its forward, or what the forward called; not
+    nn.Module's own, such as __getattr__), else the innermost frame."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    if not frames:
+        return ""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    own = [f for f in frames if module is not None and f[0].f_locals.get("self") is module
+           and not f[0].f_code.co_filename.startswith(torch_dir)]
+    frame, lineno = (own or frames)[-1]
+    return f" ({frame.f_code.co_filename}:{lineno}, in {frame.f_code.co_name})"
 
 
 def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: DeviceProfile,
@@ -919,6 +968,11 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             return hook
 
         def leave(_module, _args, _output):
+            # Called while an exception propagates too (always_call): then, inside
+            # nn.Module's `except` clause, sys.exc_info() holds it.
+            exc = sys.exc_info()[1]
+            if exc is not None and (rec.unwound is None or rec.unwound[0] is not exc):
+                rec.unwound = (exc, rec.module_stack[-1])
             rec.module_stack.pop()  # returns None: the output stays as it is
 
         for mname, m in model.named_modules():

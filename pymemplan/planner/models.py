@@ -10,6 +10,7 @@ same as with real labels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -141,6 +142,19 @@ BUILTIN = {
 DEFAULT_MODEL = "gpt2"
 
 
+def _user_code_error(what: str, exc: Exception, path) -> ValueError:
+    """The user's model file failed: say where in it (its innermost frame there), so the
+    command-line error needs no traceback."""
+    where = ""
+    tb = exc.__traceback__
+    target = path.resolve()
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename).resolve() == target:
+            where = f" (at {path}:{tb.tb_lineno}, in {tb.tb_frame.f_code.co_name})"
+        tb = tb.tb_next
+    return ValueError(f"{what} failed{where}: {type(exc).__name__}: {exc}")
+
+
 def load_workload(spec: str, *, batch: int | None = None, seq_len: int | None = None,
                   device: str = "meta") -> Workload:
     """A built-in name, or ``path/to/file.py:factory``.
@@ -165,14 +179,20 @@ def load_workload(spec: str, *, batch: int | None = None, seq_len: int | None = 
         raise ValueError(f"model file {path!r} does not exist")
     mod_spec = importlib.util.spec_from_file_location(f"_pymemplan_user_{p.stem}", p)
     module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:
+        raise _user_code_error(f"running {path}", e, p) from e
     factory = getattr(module, fname, None)
     if not callable(factory):
         raise ValueError(f"{path} has no callable {fname!r}; define def {fname}(): return "
                          f"model, inputs")
     params = inspect.signature(factory).parameters
     accepts_all = any(q.kind == q.VAR_KEYWORD for q in params.values())
-    out = factory(**{k: v for k, v in kwargs.items() if accepts_all or k in params})
+    try:
+        out = factory(**{k: v for k, v in kwargs.items() if accepts_all or k in params})
+    except Exception as e:
+        raise _user_code_error(f"{path}:{fname}()", e, p) from e
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         raise ValueError(f"{spec} must return (model, inputs) or (model, inputs, loss_fn), "
                          f"got {type(out).__name__}")
