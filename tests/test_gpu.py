@@ -155,3 +155,30 @@ def test_vmm_moves_pages_under_queued_work_without_faults():
         print(moved)
     """)
     assert int(out.split()[-1]) > 0
+
+
+def test_cuda_graph_capture_is_refused_with_our_message_and_nothing_breaks():
+    # An allocation inside torch.cuda.graph fails with what to do instead; the capture is
+    # abandoned, and the allocator serves eager work afterwards.
+    out = run("""
+        import pymemplan, torch
+        pymemplan.enable("pymemplan-vmm")
+        x = torch.randn(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            y = x * 2  # warm-up on the side stream, as torch.cuda.graph recommends
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                z = x * 3
+        except RuntimeError as e:
+            assert "capturing a CUDA graph" in str(e), e
+            print("refused")
+        del y
+        w = (x + 1).sum()
+        torch.cuda.synchronize()
+        print(float(w) != 0.0)
+    """)
+    assert out.split() == ["refused", "True"]

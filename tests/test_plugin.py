@@ -230,6 +230,58 @@ def test_invalid_free_is_reported_and_harmless(capfd):
     assert "points inside a block" in r.stderr and "after: " in r.stdout
 
 
+@pytest.mark.parametrize("policy", ["pymemplan", "pymemplan-vmm"])
+def test_allocating_during_a_cuda_graph_capture_is_refused_cleanly(policy):
+    # A graph replays on the addresses it captured: memory from the shared pool would be
+    # handed to eager tensors and overwritten at replay. Refused, with what to do instead,
+    # and without a call the driver forbids during a capture (which would invalidate it).
+    ok("""
+        fake.fakecuda_capture_violations.restype = ctypes.c_longlong
+        s = ctypes.c_void_p(0x30)
+        p = alloc(4 * MiB, s)
+        fake.fakecuda_set_capturing(s, 1)
+        assert alloc(4 * MiB, s) is None
+        e = err()
+        assert "capturing a CUDA graph" in e and "reduce-overhead" in e, e
+        assert lib.pymemplan_alloc(4 * MiB, 0, s) is None  # oom_action:null: no exception
+        assert fake.fakecuda_capture_violations() == 0
+        fake.fakecuda_set_capturing(s, 0)
+        q = alloc(4 * MiB, s)
+        assert q is not None, err()
+        free(q, s); free(p, s)
+        assert stats()["allocated_bytes.all.current"] == 0
+    """, policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["pymemplan", "pymemplan-vmm"])
+def test_a_free_during_a_capture_waits_for_the_capture_to_end_and_breaks_nothing(policy):
+    # A block used on another stream, freed while that stream captures a graph: its event
+    # cannot go into the capture (the driver would refuse to query it ever after). It is
+    # recorded once the capture has ended; the block is reused after that work completes.
+    ok("""
+        fake.fakecuda_capture_violations.restype = ctypes.c_longlong
+        fake.fakecuda_set_manual_events(1)
+        s0, s1 = ctypes.c_void_p(0x10), ctypes.c_void_p(0x20)
+        p = alloc(16 * MiB, s0)
+        lib.pymemplan_record_stream(p, s1)
+        fake.fakecuda_set_capturing(s1, 1)
+        free(p, s0)
+        fake.fakecuda_set_capturing(s1, 0)
+        assert fake.fakecuda_capture_violations() == 0
+        q = alloc(16 * MiB, s0)
+        assert q is not None and q != p, "reused before the captured stream's work was done"
+        # The allocation above recorded the deferred event (the capture had ended): its
+        # work done, the block is reused.
+        fake.fakecuda_complete_stream(s1)
+        r = alloc(16 * MiB, s0)
+        assert r == p, "block never reused after the capture ended"
+        for x in (q, r):
+            free(x, s0)
+        fake.fakecuda_complete_all()
+        assert alloc(16 * MiB, s0) is not None, err()
+    """, policy=policy)
+
+
 def test_concurrent_callers():
     ok("""
         errors = []

@@ -112,6 +112,10 @@ EventHandle CudaDevice::create_event() {
 
 void CudaDevice::destroy_event(EventHandle event) {
   {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    deferred_.erase(event);
+  }
+  {
     std::lock_guard<std::mutex> lock(foreign_mutex_);
     auto it = foreign_.find(event);
     if (it != foreign_.end()) {
@@ -124,7 +128,28 @@ void CudaDevice::destroy_event(EventHandle event) {
   driver_.check(driver_.cuEventDestroy(reinterpret_cast<CUevent>(event)), "cuEventDestroy");
 }
 
+bool CudaDevice::stream_capturing(StreamId stream) {
+  if (driver_.cuStreamIsCapturing == nullptr) return false;
+  InContext in(*this);
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE, _ACTIVE, _INVALIDATED
+  const CUresult r = driver_.cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &status);
+  if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;  // the legacy stream, joined to one
+  return r == CUDA_SUCCESS && status != 0;  // an invalidated capture has not ended either
+}
+
 void CudaDevice::record_event(EventHandle event, StreamId stream) {
+  // Recorded into a capture, the event would mark a node of the graph, and querying it
+  // would fail (CUDA_ERROR_CAPTURED_EVENT) until recorded again: the allocator would wait on
+  // it forever. Recorded once the capture has ended, it waits for the same work and more.
+  if (stream_capturing(stream)) {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    deferred_[event] = stream;
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    deferred_.erase(event);
+  }
   const auto s = reinterpret_cast<CUstream>(stream);
   if (record_foreign(event, s)) return;
   InContext in(*this);
@@ -167,16 +192,39 @@ CudaDevice::Foreign CudaDevice::active_foreign(EventHandle event) {
   return Foreign{reinterpret_cast<CUevent>(event), context_, false};
 }
 
+bool CudaDevice::record_deferred(EventHandle event) {
+  StreamId stream = 0;
+  {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    auto it = deferred_.find(event);
+    if (it == deferred_.end()) return true;
+    stream = it->second;
+  }
+  if (stream_capturing(stream)) return false;
+  record_event(event, stream);
+  return true;
+}
+
 bool CudaDevice::query_event(EventHandle event) {
+  if (!record_deferred(event)) return false;
   const Foreign f = active_foreign(event);
   InContext in(driver_, f.context);
   const CUresult r = driver_.cuEventQuery(f.event);
-  if (r == CUDA_ERROR_NOT_READY) return false;
+  // Not done, or not known now: during another thread's capture in global mode queries
+  // are refused, and an event recorded into a capture by a race with its beginning cannot
+  // be queried. Either way the memory it guards stays unused, and nothing is left broken.
+  if (r == CUDA_ERROR_NOT_READY || r == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+      r == CUDA_ERROR_CAPTURED_EVENT) {
+    return false;
+  }
   driver_.check(r, "cuEventQuery");
   return true;
 }
 
 void CudaDevice::synchronize_event(EventHandle event) {
+  if (!record_deferred(event)) {
+    throw DeviceError("cannot wait for work queued on a stream that is capturing a CUDA graph");
+  }
   const Foreign f = active_foreign(event);
   InContext in(driver_, f.context);
   driver_.check(driver_.cuEventSynchronize(f.event), "cuEventSynchronize");

@@ -50,6 +50,10 @@ class CudaDevice : public Device {
   void copy(void* dst, const void* src, std::size_t bytes) override;
 
   int ordinal() const { return ordinal_; }
+  // Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing; false where the driver
+  // cannot say). An event recorded there would be a node of the graph, not a point in the
+  // stream's work: record_event defers it until the capture has ended.
+  bool stream_capturing(StreamId stream);
 
  private:
   class InContext;  // RAII: makes a context current for one call
@@ -65,6 +69,9 @@ class CudaDevice : public Device {
   // The event to query or wait on for `event`, and its context: the foreign one standing
   // for it, or itself in this device's context.
   Foreign active_foreign(EventHandle event);
+  // An event whose recording was deferred (its stream was capturing) is recorded now if
+  // the capture has ended; false while it has not (the event then stands for nothing yet).
+  bool record_deferred(EventHandle event);
 
   const cuda::Driver& driver_;
   int ordinal_;
@@ -79,6 +86,8 @@ class CudaDevice : public Device {
   std::vector<cuda::CUmemAccessDesc> access_;
   std::mutex foreign_mutex_;
   std::unordered_map<EventHandle, Foreign> foreign_;
+  std::mutex deferred_mutex_;
+  std::unordered_map<EventHandle, StreamId> deferred_;  // event -> the capturing stream
 };
 
 }  // namespace pymemplan

@@ -69,6 +69,7 @@ Driver load() {
   resolve_optional(lib, gpa, d.cuDeviceGetAttribute, "cuDeviceGetAttribute", "cuDeviceGetAttribute");
   resolve_optional(lib, gpa, d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", "cuDeviceCanAccessPeer");
   resolve_optional(lib, gpa, d.cuStreamGetCtx, "cuStreamGetCtx", "cuStreamGetCtx");
+  resolve_optional(lib, gpa, d.cuStreamIsCapturing, "cuStreamIsCapturing", "cuStreamIsCapturing");
   resolve_optional(lib, gpa, d.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",
                    "cuMemGetAllocationGranularity");
   resolve_optional(lib, gpa, d.cuMemAddressReserve, "cuMemAddressReserve", "cuMemAddressReserve");

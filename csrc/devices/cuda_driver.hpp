@@ -42,6 +42,11 @@ struct CUmemAccessDesc {
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+// Graph capture: a call unsafe during a capture in global mode; a query of an event last
+// recorded into a capture; a legacy-stream query while another stream captures.
+constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900;
+constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906;
+constexpr CUresult CUDA_ERROR_CAPTURED_EVENT = 907;
 constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x2;
 constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
 constexpr int CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110;
@@ -71,6 +76,8 @@ struct Driver {
   CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
   // Optional: without it every stream counts as one of the device's own context.
   CUresult (*cuStreamGetCtx)(CUstream, CUcontext*) = nullptr;
+  // Optional (CUDA 10+): without it no stream counts as capturing a CUDA graph.
+  CUresult (*cuStreamIsCapturing)(CUstream, int*) = nullptr;
   // Virtual memory management: optional, null when the driver lacks it.
   CUresult (*cuMemGetAllocationGranularity)(std::size_t*, const CUmemAllocationProp*, int) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,

@@ -35,6 +35,7 @@ struct Plugin {
   std::mutex mutex;  // guards creation and configuration; lookups are lock-free
   PluginConfig config;
   std::array<std::atomic<Allocator*>, kMaxDevices> allocators{};
+  std::array<std::atomic<CudaDevice*>, kMaxDevices> devices{};  // each allocator's device
   std::atomic<bool> raise_on_oom{true};
   // Plans for allocators not made yet (pymemplan_stage_plans), per device and for any device:
   // loading them must not make a device's allocator early, which retains a CUDA context.
@@ -48,6 +49,17 @@ Plugin& plugin() {
 }
 
 thread_local std::string last_error;
+
+// A graph replays its kernels on the addresses they had when captured, so memory handed out
+// during a capture must stay the graph's; PyTorch gives a pluggable allocator no way to know
+// which graph pool is meant (its begin/end-allocate-to-pool hooks are C++ only). Serving from
+// the shared pool would let eager tensors take those addresses and be overwritten at replay.
+constexpr const char* kCaptureRefused =
+    "pymemplan: cannot allocate on a stream that is capturing a CUDA graph (torch.cuda.graph, "
+    "torch.compile(mode=\"reduce-overhead\")): a graph needs memory of its own, which a "
+    "pluggable allocator cannot give it. Capture graphs without pymemplan (do not enable it in "
+    "that process), or compile without CUDA graphs (mode=\"default\" or "
+    "\"max-autotune-no-cudagraphs\").";
 
 void set_error(const std::string& message) { last_error = message; }
 
@@ -95,8 +107,10 @@ Allocator& allocator_for(int device) {
   std::lock_guard<std::mutex> lock(p.mutex);
   a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
   if (a == nullptr) {
-    a = make_allocator(std::make_shared<CudaDevice>(device), p.config.policy, p.config.config)
-            .release();  // owned by the plugin until exit
+    auto cuda = std::make_shared<CudaDevice>(device);
+    p.devices[static_cast<std::size_t>(device)].store(cuda.get(), std::memory_order_release);
+    a = make_allocator(std::move(cuda), p.config.policy, p.config.config)
+            .release();  // owned by the plugin until exit, and its device with it
     const std::string& staged = p.staged_plans[static_cast<std::size_t>(device)];
     const std::string& text = staged.empty() ? p.staged_plans_any : staged;
     if (auto* planned = dynamic_cast<PlannedAllocator*>(a); planned != nullptr && !text.empty()) {
@@ -192,8 +206,13 @@ extern "C" {
 void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
   if (size == 0) return nullptr;  // as PyTorch's own allocator: empty tensors own no memory
   try {
-    void* p = allocator_for(device).try_malloc(static_cast<std::int64_t>(size),
-                                               reinterpret_cast<StreamId>(stream));
+    Allocator& a = allocator_for(device);
+    if (plugin().devices[static_cast<std::size_t>(device)].load(std::memory_order_acquire)
+            ->stream_capturing(reinterpret_cast<StreamId>(stream))) {
+      set_error(kCaptureRefused);
+      return nullptr;
+    }
+    void* p = a.try_malloc(static_cast<std::int64_t>(size), reinterpret_cast<StreamId>(stream));
     if (p == nullptr) set_error(allocator_for(device).last_error());
     return p;
   } catch (const std::exception& e) {

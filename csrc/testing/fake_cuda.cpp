@@ -45,6 +45,7 @@ struct CUevent_st {
   bool manual = false;    // completes only when completed explicitly
   int queries_left = 0;   // NOT_READY answers still owed (not manual)
   CUstream stream = nullptr;
+  bool captured = false;  // last recorded on a stream capturing a graph: not queryable
 };
 
 namespace {
@@ -60,6 +61,8 @@ constexpr CUresult CUDA_ERROR_INVALID_HANDLE = 400;
 constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
+constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900;
+constexpr CUresult CUDA_ERROR_CAPTURED_EVENT = 907;
 
 constexpr int kDriverVersion = 12040;
 constexpr int kMaxDevices = 64;
@@ -146,6 +149,11 @@ struct State {
   // Streams made by fakecuda_stream_create, with their device. Any other non-null value is
   // taken for a stream of the current context, so tests may name streams by any pointer.
   std::unordered_map<CUstream, int> stream_device;
+  // Streams capturing a CUDA graph (fakecuda_set_capturing), all in the default global
+  // mode: while any is, calls that are unsafe during a capture fail with
+  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and are counted (the capture is invalidated).
+  std::unordered_set<CUstream> capturing;
+  long long capture_violations = 0;
   std::uintptr_t next_stream = 0x5eed0000;
   std::map<std::uintptr_t, std::size_t> reservations;
   std::map<std::uintptr_t, Mapping> mappings;
@@ -212,6 +220,8 @@ void reset_locked(State& s) {
   for (CUevent_st* e : s.events) delete e;
   s.events.clear();
   s.stream_device.clear();
+  s.capturing.clear();
+  s.capture_violations = 0;
   s.settings = Settings();
   s.initialized = false;
   ++s.generation;
@@ -389,6 +399,9 @@ constexpr ErrorText kErrors[] = {
     {719, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {800, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
+    {907, "CUDA_ERROR_CAPTURED_EVENT",
+     "operation not permitted on an event last recorded in a capturing stream"},
     {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
@@ -407,6 +420,14 @@ const ErrorText* find_error(CUresult code) {
 #define REQUIRE_INIT(s)                                   \
   std::lock_guard<std::mutex> lock((s).mutex);            \
   if (!(s).initialized) return CUDA_ERROR_NOT_INITIALIZED
+
+// A call the driver refuses while a graph is being captured in global mode (cudaMalloc,
+// cudaFree, event queries and synchronizations): it invalidates the capture.
+#define REFUSE_DURING_CAPTURE(s)                          \
+  if (!(s).capturing.empty()) {                           \
+    ++(s).capture_violations;                             \
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;         \
+  }
 
 // ---------------------------------------------------------------- initialization, devices
 
@@ -536,6 +557,7 @@ FAKECUDA_DRIVER CUresult cuCtxGetDevice(CUdevice* device) {
 FAKECUDA_DRIVER CUresult cuMemAlloc_v2(CUdeviceptr* dptr, std::size_t bytes) {
   State& s = state();
   REQUIRE_INIT(s);
+  REFUSE_DURING_CAPTURE(s);
   if (dptr == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   CUctx_st* ctx = current_context(s);
   if (ctx == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
@@ -556,6 +578,7 @@ FAKECUDA_DRIVER CUresult cuMemAlloc_v2(CUdeviceptr* dptr, std::size_t bytes) {
 FAKECUDA_DRIVER CUresult cuMemFree_v2(CUdeviceptr dptr) {
   State& s = state();
   REQUIRE_INIT(s);
+  REFUSE_DURING_CAPTURE(s);
   auto it = s.allocations.find(static_cast<std::uintptr_t>(dptr));
   if (it == s.allocations.end()) return CUDA_ERROR_INVALID_VALUE;
   const Allocation a = it->second;
@@ -612,6 +635,13 @@ FAKECUDA_DRIVER CUresult cuEventRecord(CUevent event, CUstream stream) {
     return CUDA_ERROR_INVALID_HANDLE;
   }
   event->stream = stream;
+  // Recorded into a capture, the event becomes a node of the graph, not a point of the
+  // stream's work: it cannot be queried or waited for until recorded again outside one.
+  event->captured = s.capturing.count(stream) != 0;
+  if (event->captured) {
+    event->pending = false;
+    return CUDA_SUCCESS;
+  }
   event->manual = s.settings.manual_events;
   event->queries_left = s.settings.event_delay;
   event->pending = event->manual || event->queries_left > 0;
@@ -622,6 +652,8 @@ FAKECUDA_DRIVER CUresult cuEventQuery(CUevent event) {
   State& s = state();
   REQUIRE_INIT(s);
   if (s.events.count(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  REFUSE_DURING_CAPTURE(s);
+  if (event->captured) return CUDA_ERROR_CAPTURED_EVENT;
   if (!event->pending) return CUDA_SUCCESS;
   if (event->manual) return CUDA_ERROR_NOT_READY;
   if (event->queries_left > 0) {
@@ -636,7 +668,17 @@ FAKECUDA_DRIVER CUresult cuEventSynchronize(CUevent event) {
   State& s = state();
   REQUIRE_INIT(s);
   if (s.events.count(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  REFUSE_DURING_CAPTURE(s);
+  if (event->captured) return CUDA_ERROR_CAPTURED_EVENT;
   complete(event);
+  return CUDA_SUCCESS;
+}
+
+FAKECUDA_DRIVER CUresult cuStreamIsCapturing(CUstream stream, int* status) {
+  State& s = state();
+  REQUIRE_INIT(s);
+  if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *status = s.capturing.count(stream) != 0 ? 1 : 0;  // CU_STREAM_CAPTURE_STATUS_ACTIVE : _NONE
   return CUDA_SUCCESS;
 }
 
@@ -652,6 +694,7 @@ FAKECUDA_DRIVER CUresult cuStreamGetCtx(CUstream stream, CUcontext* ctx) {
 FAKECUDA_DRIVER CUresult cuStreamSynchronize(CUstream stream) {
   State& s = state();
   REQUIRE_INIT(s);
+  REFUSE_DURING_CAPTURE(s);
   for (CUevent_st* e : s.events) {
     if (e->pending && e->stream == stream) complete(e);
   }
@@ -661,6 +704,7 @@ FAKECUDA_DRIVER CUresult cuStreamSynchronize(CUstream stream) {
 FAKECUDA_DRIVER CUresult cuCtxSynchronize(void) {
   State& s = state();
   REQUIRE_INIT(s);
+  REFUSE_DURING_CAPTURE(s);
   for (CUevent_st* e : s.events) {
     if (e->pending) complete(e);
   }
@@ -939,6 +983,7 @@ const Entry* find_entry(const char* symbol) {
       FAKECUDA_ENTRY("cuEventSynchronize", cuEventSynchronize),
       FAKECUDA_ENTRY("cuStreamSynchronize", cuStreamSynchronize),
       FAKECUDA_ENTRY("cuStreamGetCtx", cuStreamGetCtx),
+      FAKECUDA_ENTRY("cuStreamIsCapturing", cuStreamIsCapturing),
       FAKECUDA_ENTRY("cuCtxSynchronize", cuCtxSynchronize),
       FAKECUDA_ENTRY("cuMemcpyDtoD", cuMemcpyDtoD_v2),
       FAKECUDA_ENTRY("cuGetErrorName", cuGetErrorName),
@@ -1088,6 +1133,20 @@ void fakecuda_complete_stream(void* stream) {
   for (CUevent_st* e : s.events) {
     if (e->pending && e->stream == static_cast<CUstream>(stream)) complete(e);
   }
+}
+
+void fakecuda_set_capturing(void* stream, int on) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (on != 0) {
+    s.capturing.insert(static_cast<CUstream>(stream));
+  } else {
+    s.capturing.erase(static_cast<CUstream>(stream));
+  }
+}
+
+long long fakecuda_capture_violations(void) {
+  return locked([](State& s) { return s.capture_violations; });
 }
 
 void fakecuda_complete_all(void) {

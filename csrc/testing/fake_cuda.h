@@ -84,6 +84,13 @@ FAKECUDA_API void fakecuda_set_manual_events(int on);
  * stream), or on every stream. */
 FAKECUDA_API void fakecuda_complete_stream(void* stream);
 FAKECUDA_API void fakecuda_complete_all(void);
+/* Stream `stream` begins (on != 0) or ends capturing a CUDA graph, in the default global
+ * mode: meanwhile cuMemAlloc, cuMemFree, cuEventQuery, cuEventSynchronize, cuStreamSynchronize
+ * and cuCtxSynchronize fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (each counted by
+ * fakecuda_capture_violations), and an event recorded on the stream is captured: querying or
+ * waiting for it fails with CUDA_ERROR_CAPTURED_EVENT until it is recorded outside a capture. */
+FAKECUDA_API void fakecuda_set_capturing(void* stream, int on);
+FAKECUDA_API long long fakecuda_capture_violations(void);
 
 /* Counters. bytes_in_use counts cuMemAlloc and cuMemCreate bytes of that device (a released
  * handle counts until its last mapping is unmapped); live_allocations counts cuMemAlloc
