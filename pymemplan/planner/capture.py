@@ -82,8 +82,11 @@ class _Recorder:
         self.closed = False
         self.error: tuple | None = None     # (exception, op, module, phase, input shapes)
         # The innermost module an exception raised outside any op (Python code in a
-        # forward) unwound through: (exception, module). The module stack is popped on
-        # the way out by the always-called forward hooks, so it is noted as they pop.
+        # forward) unwound through: ((id, type) of the exception, module). The module stack is
+        # popped on the way out by the always-called forward hooks, so it is noted as they
+        # pop. Only the id is kept: exceptions pass through forwards that succeed too (the
+        # one checkpoint raises to stop a recompute early), and holding one would hold its
+        # traceback's frames and their tensors, changing the step being measured.
         self.unwound: tuple | None = None
         # trace(nonzero_density=): the share of a mask's elements taken as true where an
         # output's size depends on values (torch.nonzero, boolean masks); None: an error.
@@ -830,11 +833,12 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
                             f"{type(err).__name__}: {err}")
 
 
-def _in_chain(cause: BaseException, exc: BaseException) -> bool:
-    """Whether `exc` is `cause` or was raised from it (explicitly or while handling it)."""
+def _in_chain(cause: tuple, exc: BaseException) -> bool:
+    """Whether `exc` is the exception `cause` names (its id and type) or was raised from it
+    (explicitly or while handling it). `exc` and its chain are alive, so their ids are theirs."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if exc is cause:
+        if (id(exc), type(exc)) == cause:
             return True
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
@@ -971,8 +975,9 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             # Called while an exception propagates too (always_call): then, inside
             # nn.Module's `except` clause, sys.exc_info() holds it.
             exc = sys.exc_info()[1]
-            if exc is not None and (rec.unwound is None or rec.unwound[0] is not exc):
-                rec.unwound = (exc, rec.module_stack[-1])
+            if exc is not None and (rec.unwound is None or rec.unwound[0] != (id(exc), type(exc))):
+                rec.unwound = ((id(exc), type(exc)), rec.module_stack[-1])
+            del exc
             rec.module_stack.pop()  # returns None: the output stays as it is
 
         for mname, m in model.named_modules():
