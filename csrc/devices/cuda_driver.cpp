@@ -11,6 +11,10 @@ namespace pymemplan::cuda {
 namespace {
 
 using GetProcAddress = CUresult (*)(const char*, void**, int, unsigned long long);
+// Entry points whose stream 0 is the legacy default stream, as PyTorch's stream 0 is: said
+// explicitly rather than left to CU_GET_PROC_ADDRESS_DEFAULT (0), whose meaning the docs tie
+// to the caller's compile flags.
+constexpr unsigned long long CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;
 
 // Resolves `name` (a base name such as "cuMemAlloc"; the driver returns the current version
 // of the entry point) through cuGetProcAddress when the driver has it, else through dlsym
@@ -19,7 +23,7 @@ template <typename F>
 void resolve(void* lib, GetProcAddress gpa, F& out, const char* name, const char* versioned,
              const std::string& path) {
   void* fn = nullptr;
-  if (gpa != nullptr && gpa(name, &fn, 12000, 0) != CUDA_SUCCESS) fn = nullptr;
+  if (gpa != nullptr && gpa(name, &fn, 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM) != CUDA_SUCCESS) fn = nullptr;
   if (fn == nullptr) fn = dlsym(lib, versioned);
   if (fn == nullptr) {
     throw DeviceError("CUDA driver " + path + " has no " + versioned +
@@ -32,7 +36,7 @@ void resolve(void* lib, GetProcAddress gpa, F& out, const char* name, const char
 template <typename F>
 void resolve_optional(void* lib, GetProcAddress gpa, F& out, const char* name, const char* versioned) {
   void* fn = nullptr;
-  if (gpa != nullptr && gpa(name, &fn, 12000, 0) != CUDA_SUCCESS) fn = nullptr;
+  if (gpa != nullptr && gpa(name, &fn, 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM) != CUDA_SUCCESS) fn = nullptr;
   if (fn == nullptr) fn = dlsym(lib, versioned);
   out = reinterpret_cast<F>(fn);
 }
