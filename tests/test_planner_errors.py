@@ -153,3 +153,34 @@ def test_python_error_in_a_forward_names_the_module_and_line_not_the_loss():
         raise AttributeError("the loss needs a 'missing_setting'")
     with pytest.raises(UntraceableError, match=r"outside the model \(the loss function\?\)"):
         pymemplan.trace(nn.Linear(8, 8), (torch.randn(4, 8),), loss_fn=bad_loss)
+
+
+class ComplexParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (x.to(torch.cfloat) @ self.w).abs()
+
+
+def test_an_optimizer_that_refuses_the_parameters_is_named_as_the_failure():
+    # Adafactor refuses complex parameters in its first step, where the state is made.
+    with pytest.raises(UntraceableError, match=r"^the optimizer's step failed \(.*_adafactor\.py:"
+                                               r"\d+, in \w+\): RuntimeError: .*complex"):
+        pymemplan.trace(ComplexParam(), (torch.randn(4, 8),), loss_fn=mean_loss,
+                        optimizer=torch.optim.Adafactor)
+
+
+def test_advise_gives_a_row_to_an_optimizer_that_cannot_run_and_goes_on(tmp_path):
+    advice = pymemplan.advise(ComplexParam(), (torch.randn(4, 8),), capacity="1GiB",
+                              loss_fn=mean_loss, device="cpu", techniques=("optimizer",))
+    row = advice.row("optimizer adafactor")
+    assert row.peak_bytes is None and row.fits is None
+    assert "cannot run on this model" in row.notes and "complex" in row.notes
+    assert advice.row("optimizer adam").fits is True
+    assert "optimizer adafactor" in advice.summary(200)
+    import json
+    assert json.loads(advice.to_json())["rows"]
+    advice.to_html(tmp_path / "plan.html")
+    assert "optimizer adafactor" in (tmp_path / "plan.html").read_text()

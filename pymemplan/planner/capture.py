@@ -829,6 +829,9 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
             f"{_describe_inputs(args)}. Pass inputs as a tuple of positional arguments.")
     at = f"op {op} in " if op else ""
     line = "" if op else _raising_line(err, _module_at(model, module))
+    if phase == OPTIMIZER and module == OUTSIDE:
+        return UntraceableError(f"the optimizer's step failed{' at op ' + op if op else ''}"
+                                f"{line}: {type(err).__name__}: {err}")
     return UntraceableError(f"the {phase} pass failed at {at}{where}{line}: "
                             f"{type(err).__name__}: {err}")
 
@@ -1010,6 +1013,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
                     activations = backward_phase(rec, loss, phase_starts)
                     del loss
             if opt is not None:
+                rec.phase = OPTIMIZER  # its first step, which makes the state, fails as one
                 trained = _trained(rec, params, grad_versions)
                 with fake_mode:
                     first = _first_optimizer_step(opt, profile, fake_mode, trained)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from ..planner.graph import ACTIVATION, CATEGORIES, GRADIENT, OPTIMIZER_STATE
 from ..planner.errors import PlannerError
 from ..units import format_bytes
-from .advise import (_ALLOCATORS, _OPTIMIZER_CODE, Config, _accumulation_config, _Advisor,
+from .advise import (_ALLOCATORS, _OPTIMIZER_CODE, Config, Row, _accumulation_config, _Advisor,
                      _code_autocast, _optimizer_factory, checkpoint_key, combined_code)
 
 
@@ -165,7 +165,14 @@ def optimizer(adv: _Advisor, target_batch) -> list:
         if _optimizer_factory(name) is None:
             continue  # not provided by the installed packages
         cfg = replace(adv.base, optimizer=name)
-        t = adv.trace(cfg)
+        try:
+            t = adv.trace(cfg)
+        except PlannerError as e:
+            # An optimizer this model's parameters do not suit (Adafactor refuses complex
+            # ones): a row that says so, not the end of the whole comparison.
+            rows.append(Row("optimizer", f"optimizer {name}", cfg, None, None, None, None,
+                            notes=f"cannot run on this model: {e}"))
+            continue
         rows.append(adv.row("optimizer", f"optimizer {name}", cfg,
                             f"optimizer = {_OPTIMIZER_CODE[name]}",
                             notes=f"optimizer state {format_bytes(_state_bytes(t))}; "
