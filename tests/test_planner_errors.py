@@ -156,12 +156,15 @@ def test_python_error_in_a_forward_names_the_module_and_line_not_the_loss():
 
 
 class ComplexParam(nn.Module):
+    """A complex weight beside real ones, as in a spectral (Fourier) layer."""
+
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat))
+        self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
-        return (x.to(torch.cfloat) @ self.w).abs()
+        return self.lin((x.to(torch.cfloat) @ self.w).abs())
 
 
 def test_an_optimizer_that_refuses_the_parameters_is_named_as_the_failure():
@@ -174,11 +177,16 @@ def test_an_optimizer_that_refuses_the_parameters_is_named_as_the_failure():
 
 def test_advise_gives_a_row_to_an_optimizer_that_cannot_run_and_goes_on(tmp_path):
     advice = pymemplan.advise(ComplexParam(), (torch.randn(4, 8),), capacity="1GiB",
-                              loss_fn=mean_loss, device="cpu", techniques=("optimizer",))
+                              loss_fn=mean_loss, device="cpu", world_size=2,
+                              techniques=("optimizer", "sharding"))
     row = advice.row("optimizer adafactor")
     assert row.peak_bytes is None and row.fits is None
     assert "cannot run on this model" in row.notes and "complex" in row.notes
     assert advice.row("optimizer adam").fits is True
+    # ZeRO-1 refuses parameters of mixed dtypes; DDP runs.
+    zero1 = advice.row("zero1 x 2")
+    assert zero1.peak_bytes is None and "cannot run on this model" in zero1.notes
+    assert advice.row("ddp x 2").fits is True
     assert "optimizer adafactor" in advice.summary(200)
     import json
     assert json.loads(advice.to_json())["rows"]

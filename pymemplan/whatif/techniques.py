@@ -33,6 +33,12 @@ def _grad_bytes(t) -> int:
     return sum(x.size for x in t.graph.tensors if x.category == GRADIENT)
 
 
+def _cannot(technique: str, name: str, cfg: Config, err: Exception) -> Row:
+    """A configuration that cannot run on this model: a row that says why, with no figures,
+    rather than the end of the whole comparison."""
+    return Row(technique, name, cfg, None, None, None, None, notes=f"cannot run on this model: {err}")
+
+
 def precision(adv: _Advisor, target_batch) -> list:
     base = adv.trace(adv.base)
     rows = []
@@ -168,10 +174,8 @@ def optimizer(adv: _Advisor, target_batch) -> list:
         try:
             t = adv.trace(cfg)
         except PlannerError as e:
-            # An optimizer this model's parameters do not suit (Adafactor refuses complex
-            # ones): a row that says so, not the end of the whole comparison.
-            rows.append(Row("optimizer", f"optimizer {name}", cfg, None, None, None, None,
-                            notes=f"cannot run on this model: {e}"))
+            # Adafactor refuses complex parameters, for one.
+            rows.append(_cannot("optimizer", f"optimizer {name}", cfg, e))
             continue
         rows.append(adv.row("optimizer", f"optimizer {name}", cfg,
                             f"optimizer = {_OPTIMIZER_CODE[name]}",
@@ -216,7 +220,13 @@ def sharding(adv: _Advisor, target_batch) -> list:
     rows = []
     for strategy in STRATEGIES:
         cfg = replace(adv.base, sharding=strategy)
-        comm = communication_bytes(adv.model, strategy, adv.world_size)
+        try:
+            comm = communication_bytes(adv.model, strategy, adv.world_size)
+            adv.trace(cfg)
+        except PlannerError as e:
+            # ZeRO-1 refuses parameters of mixed dtypes (complex beside real), for one.
+            rows.append(_cannot("sharding", f"{strategy} x {adv.world_size}", cfg, e))
+            continue
         rows.append(adv.row("sharding", f"{strategy} x {adv.world_size}", cfg,
                             code_snippet(strategy, adv.world_size, adv.model,
                                          device=adv.device),
