@@ -153,7 +153,9 @@ def test_apply_to_the_wrong_model_is_an_error():
     model = Tiny(layers=2)
     ids = torch.randint(0, 50, (2, 16))
     t = pymemplan.trace(model, (ids,), loss_fn=loss_fn, device="cpu")
-    plan = t.plan(int(t.peak_bytes * 0.9), model=model, inputs=(ids,))
+    least, _ = least_peak(t.checkpoint_problem(model, (ids,)))
+    plan = t.plan((least + t.peak_bytes) // 2, model=model, inputs=(ids,))
+    assert plan.recomputed
     with pytest.raises(PlannerError, match="does not have"):
         plan.apply(nn.Sequential(nn.Linear(2, 2)))
 
@@ -209,9 +211,14 @@ def test_a_plan_is_verified_by_tracing_the_step_with_it_applied():
         assert plan.recompute_seconds >= unverified.recompute_seconds
     plan.apply(model)
     try:
-        assert pymemplan.trace(model, (x,), loss_fn=loss,
-                               device="cpu").peak_bytes == plan.verified_peak_bytes
-        assert measure_step(model, (x,), loss_fn=loss).peak_bytes <= budget * 1.02
+        # The trace, plus the CPU RNG state checkpoint saves per unit (outside the
+        # dispatcher: no trace sees it), counted as if all were held at the peak.
+        from pymemplan.planner.checkpoint.problem import checkpoint_rng_bytes
+        rng = checkpoint_rng_bytes("cpu")
+        assert rng > 0
+        assert pymemplan.trace(model, (x,), loss_fn=loss, device="cpu").peak_bytes + \
+            rng * len(plan.policies) == plan.verified_peak_bytes
+        assert measure_step(model, (x,), loss_fn=loss).peak_bytes <= budget
         with pytest.raises(PlannerError, match="already has a plan applied"):
             t.plan(budget, model=model, inputs=(x,))
     finally:
@@ -315,3 +322,163 @@ def test_modules_whose_tensors_change_in_place_are_checkpointed_only_where_it_wo
         plan.remove(model)
         for (n, q), q0 in zip(model.named_parameters(), ref.parameters()):
             assert torch.allclose(q.grad, q0.grad, rtol=1e-5, atol=1e-6), (f, n)
+
+
+def _step_grads(model, x, seed=123):
+    torch.manual_seed(seed)
+    model(x).pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_modules_whose_forward_changes_their_buffers_are_never_checkpointed():
+    # Spectral norm's power iteration moves its vectors at every forward: recomputed, it
+    # would compute with the vectors the first run left and move them twice.
+    torch.manual_seed(0)
+    sn = nn.utils.parametrizations.spectral_norm
+    model = nn.Sequential(*[nn.Sequential(sn(nn.Linear(256, 256)), nn.GELU()) for _ in range(3)],
+                          nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)))
+    x = torch.randn(64, 256)
+    t = pymemplan.trace(model, (x,), loss_fn=lambda o: o.pow(2).mean(), device="cpu")
+    p = t.checkpoint_problem(model, (x,))
+    units = {c.module for c in p.candidates}
+    assert "3" in units, "the block without state is a candidate"
+    assert not any(u in ("", "0", "1", "2") or u.startswith(("0", "1", "2", "[")) for u in units)
+    assert "changes the buffers of '0.0.parametrizations.weight.0'" in p.skipped["0"]
+    # Applied by hand anyway, it is an error at the forward, not a silent change.
+    from pymemplan.planner.checkpoint.apply_eager import apply, remove
+    apply(model, ["0"])
+    with pytest.raises(PlannerError, match="changes the buffer '_u'"):
+        model(x).sum().backward()
+    remove(model)
+
+
+def test_module_keywords_named_as_checkpoint_options_reach_the_module():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, debug=False, preserve_rng_state=False):
+            return x if debug or preserve_rng_state else torch.relu(self.lin(x))
+
+    from pymemplan.planner.checkpoint.apply_eager import apply, remove
+    m, x = Block(), torch.randn(4, 8, requires_grad=True)
+    ref = m(x, debug=True)
+    apply(m, [""])
+    assert torch.equal(m(x, debug=True), ref) and torch.equal(m(x, preserve_rng_state=True), ref)
+    out = m(x)
+    out.sum().backward()
+    assert torch.equal(out, torch.relu(m.lin(x)))
+    remove(m)
+
+
+def test_batchnorm_in_training_mode_inside_a_unit_in_eval_mode_moves_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU()),
+                          nn.Linear(64, 1))
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.train()
+        m[0].eval()
+        m[0][1].train()  # a frozen block whose BatchNorm still learns its statistics
+    from pymemplan.planner.checkpoint.apply_eager import apply, remove
+    apply(model, ["0"])
+    x = torch.randn(32, 16)
+    assert {n: g for n, g in _step_grads(model, x).items()}.keys() == _step_grads(ref, x).keys()
+    bn, bn0 = model[0][1], ref[0][1]
+    assert int(bn.num_batches_tracked) == int(bn0.num_batches_tracked) == 1
+    assert torch.equal(bn.running_mean, bn0.running_mean)
+    remove(model)
+
+
+def test_every_hugging_face_config_in_the_model_has_its_cache_off_while_applied():
+    # T5's decoder has a config of its own; a model may also wrap a Hugging Face one.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0))
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = t5
+
+        def forward(self, ids, labels):
+            return self.inner(input_ids=ids, labels=labels).loss
+
+    model = Wrapped()
+    ref = copy.deepcopy(model)
+    ids, labels = torch.randint(1, 100, (2, 16)), torch.randint(1, 100, (2, 8))
+    assert t5.config.use_cache and t5.decoder.config.use_cache
+    assert t5.decoder.config is not t5.config
+    t = pymemplan.trace(model, (ids, labels), device="cpu")
+    layers = ["inner.decoder.block.?"]
+    least, _ = least_peak(t.checkpoint_problem(model, (ids, labels), modules=layers))
+    plan = t.plan((least + t.peak_bytes) // 2, model=model, inputs=(ids, labels),
+                  modules=layers)  # verified: the re-trace runs the checkpointed decoder
+    assert plan.modules
+    plan.apply(model)
+    assert not t5.config.use_cache and not t5.decoder.config.use_cache
+    torch.manual_seed(1)
+    model(ids, labels).backward()
+    torch.manual_seed(1)
+    ref(ids, labels).backward()
+    for (n, p), p0 in zip(model.named_parameters(), ref.parameters()):
+        # The tied embedding sums its gradients in another order when recomputed.
+        assert torch.allclose(p.grad, p0.grad, rtol=1e-5, atol=1e-7), n
+    plan.remove(model)
+    assert t5.config.use_cache and t5.decoder.config.use_cache
+
+
+class _DictBlock(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.a, self.b = nn.Linear(w, w), nn.Linear(w, w)
+
+    def forward(self, feats):  # a dict in, a dict out
+        h = torch.relu(self.a(feats["h"]))
+        return {"h": h, "skip": feats["skip"] + torch.relu(self.b(h))}
+
+
+class _ListBlock(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.a = nn.Linear(w, w)
+
+    def forward(self, xs):  # every earlier output, in a list its caller extends
+        return torch.relu(self.a(sum(xs)))
+
+
+class _Containers(nn.Module):
+    def __init__(self, w=256):
+        super().__init__()
+        self.d = nn.ModuleList([_DictBlock(w) for _ in range(3)])
+        self.l = nn.ModuleList([_ListBlock(w) for _ in range(4)])
+        self.head = nn.Linear(w, 10)
+
+    def forward(self, x):
+        f = {"h": x, "skip": x}
+        for m in self.d:
+            f = m(f)
+        xs = [f["h"], f["skip"]]
+        for m in self.l:
+            xs.append(m(xs))
+        return self.head(xs[-1])
+
+
+def test_a_plan_that_traces_above_the_step_without_one_is_not_returned():
+    # Checkpoint keeps a list's tensors alive to the unit's backward, which the linear
+    # model does not see when later code reads them too: here every plan for the budget
+    # traces higher than no plan at all. Verification then returns no plan, and says so.
+    torch.manual_seed(0)
+    model, x = _Containers(), torch.randn(1024, 256)
+    y = torch.randint(0, 10, (1024,))
+    kw = dict(loss_fn=lambda o: F.cross_entropy(o, y), optimizer=torch.optim.AdamW, device="cpu")
+    t = pymemplan.trace(model, (x,), **kw)
+    least, _ = least_peak(t.checkpoint_problem(model, (x,)))
+    budget = least + (t.peak_bytes - least) * 3 // 10
+    with pytest.warns(RuntimeWarning) as w:
+        plan = pymemplan.plan(model, (x,), budget=budget, **kw)
+    assert not plan.recomputed and plan.verified_peak_bytes == t.peak_bytes
+    assert "nothing is checkpointed" in plan.note and "nor under the step" in str(w[0].message)

@@ -454,7 +454,8 @@ class MemoryTrace:
                                        sequential_modules=sequential, outputs=outputs,
                                        policies=tuple(policies),
                                        mutated_inputs=mutated and mutated["arguments"],
-                                       mutated_compute=mutated and mutated["compute_outputs"])
+                                       mutated_compute=mutated and mutated["compute_outputs"],
+                                       mutated_state=mutated and mutated["state"])
         return cache[key]
 
     def plan(self, budget, *, model=None, inputs=None, modules=None,

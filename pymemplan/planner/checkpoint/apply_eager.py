@@ -12,15 +12,26 @@ convolutions and attention and recomputes the rest. :func:`remove` deletes those
 attributes.
 
 Recomputing a forward would update BatchNorm's running statistics a second time; the
-wrapper puts the running buffers of the unit's BatchNorm layers back after the
-recompute, so they move once per step, as without checkpointing.
+wrapper puts the running buffers of the unit's BatchNorm layers (those in training mode)
+back after the recompute, so they move once per step, as without checkpointing. Other
+state a forward changes (spectral norm's power iteration, an observer's range, a step
+counter kept in a buffer) is not restored: its recompute would compute with state the
+first run has already moved, and gradients would silently differ. The planner leaves
+such modules out (``cost.forward_facts``), and a unit applied by hand whose forward
+changes a buffer in place is an error at that forward.
 
 A key/value cache is the other state a forward mutates: a recomputed attention layer
 would append its keys to it a second time, and backward would fail on mismatched
-shapes. A Hugging Face model's ``config.use_cache`` is therefore turned off while a plan
-is applied (as transformers' own gradient checkpointing does; training never reads the
-cache) and restored by :func:`remove`; a cache passed to a checkpointed module anyway is
-a clear error at the forward, not a shape error deep in backward.
+shapes. Every Hugging Face config in the model has its ``use_cache`` turned off while a
+plan is applied (as transformers' own gradient checkpointing does; training never reads
+the cache): the model's, and those of its submodules (T5's decoder has a copy of its
+own; a model may wrap one). :func:`remove` restores them; a cache passed to a
+checkpointed module anyway is a clear error at the forward, not a shape error deep in
+backward.
+
+Keyword arguments reach the module, not ``checkpoint``: a module keyword named as one
+of checkpoint's own (``debug``, ``preserve_rng_state``, ``early_stop``...) is bound to
+the module's forward before checkpoint is called.
 """
 
 from __future__ import annotations
@@ -40,6 +51,40 @@ def _bn_modules(modules):
 
     return [m for top in modules for m in top.modules()
             if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+def restored_buffers(module) -> set[str]:
+    """Names of ``module``'s own buffers that a checkpointed forward puts back after its
+    recompute: BatchNorm's running statistics."""
+    return set(_BN_BUFFERS) if module in _bn_modules([module]) else set()
+
+
+def _buffer_versions(owners) -> list:
+    """(module, buffer name, tensor, version) of every buffer under ``owners`` that is not
+    put back after a recompute."""
+    out = []
+    for top in owners:
+        for m in top.modules():
+            keep = restored_buffers(m)
+            out.extend((m, n, b, b._version) for n, b in m._buffers.items()
+                       if b is not None and n not in keep)
+    return out
+
+
+def _refuse_changed_state(owners, before) -> None:
+    # In place only: a buffer replaced by a new tensor is most often a cache rebuilt the
+    # same way each time (rotary tables grown for a longer sequence), which a recompute
+    # rebuilds alike; plans leave out modules seen to replace buffers when traced too.
+    from ..errors import PlannerError
+
+    for m, name, b, version in before:
+        if m._buffers.get(name) is b and b._version != version:
+            raise PlannerError(
+                f"the checkpointed module {type(owners[0]).__name__} changes the buffer "
+                f"'{name}' of its {type(m).__name__} in its forward: the recompute in "
+                f"backward would compute with the state the first run left and change it "
+                f"again, so gradients would silently differ. Do not checkpoint it (plans of "
+                f"pymemplan.plan leave such modules out)")
 
 
 def _save_compute_policy(ctx, op, *args, **kwargs):
@@ -86,7 +131,9 @@ def _run_checkpointed(forward, owners, policy, *args, **kwargs):
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    buffers = [getattr(m, b) for m in _bn_modules(owners) if owners[0].training
+    # Each BatchNorm by its own mode: one in training mode inside a unit in eval mode
+    # still moves its statistics.
+    buffers = [getattr(m, b) for m in _bn_modules(owners) if m.training
                for b in _BN_BUFFERS if getattr(m, b, None) is not None]
     calls = [0]
     # The arguments as they are now: checkpoint keeps the objects, and a caller may change a
@@ -94,11 +141,15 @@ def _run_checkpointed(forward, owners, policy, *args, **kwargs):
     # the recompute gets copies of the containers, with the same tensors in them.
     first_args, first_kwargs = _snapshot(args), _snapshot(kwargs)
 
-    def run(*a, **k):
+    def run(*a):
         calls[0] += 1
-        if calls[0] > 1:
-            a, k = first_args, first_kwargs
-        if calls[0] == 1 or not buffers:
+        if calls[0] == 1:
+            before = _buffer_versions(owners)
+            out = forward(*a, **kwargs)
+            _refuse_changed_state(owners, before)
+            return out
+        a, k = first_args, first_kwargs
+        if not buffers:
             return forward(*a, **k)
         # The recompute: put BatchNorm's running statistics back as the first run left
         # them. The copies are made outside any dispatch mode: a selective-checkpoint
@@ -122,7 +173,9 @@ def _run_checkpointed(forward, owners, policy, *args, **kwargs):
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
         extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
                                                 _save_compute_policy)
-    return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
+    # The module's keywords stay in `run`'s closure: passed to checkpoint, those named as
+    # its own options would be taken by it.
+    return checkpoint(run, *args, use_reentrant=False, **extra)
 
 
 def _snapshot(v):
@@ -202,10 +255,15 @@ def apply(model, modules):
             by_start[names.index(first)] = (names.index(last), policy)
         object.__setattr__(seq, "forward", functools.partial(_segmented_forward, seq, by_start))
         object.__setattr__(seq, _MARK, True)
-    cfg = getattr(model, "config", None)
-    if modules and getattr(cfg, "use_cache", None) is True and _USE_CACHE not in model.__dict__:
-        object.__setattr__(model, _USE_CACHE, True)
-        cfg.use_cache = False
+    if modules and _USE_CACHE not in model.__dict__:
+        turned_off, seen = [], set()
+        for m in model.modules():
+            cfg = m.__dict__.get("config")
+            if cfg is not None and id(cfg) not in seen and getattr(cfg, "use_cache", None) is True:
+                seen.add(id(cfg))
+                cfg.use_cache = False
+                turned_off.append(cfg)
+        object.__setattr__(model, _USE_CACHE, turned_off)
     return model
 
 
@@ -224,8 +282,8 @@ def remove(model):
     for m in model.modules():
         if m.__dict__.pop(_MARK, False):
             m.__dict__.pop("forward", None)
-    if model.__dict__.pop(_USE_CACHE, None) is not None:
-        model.config.use_cache = True
+    for cfg in model.__dict__.pop(_USE_CACHE, None) or ():
+        cfg.use_cache = True
     return model
 
 

@@ -86,7 +86,12 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
       convolution or attention made an output that was changed in place later
       (EfficientNet's squeeze-excitation: a 1x1 convolution, then ``SiLU(inplace=True)``).
       Selective checkpointing caches those outputs and refuses them changed: no module
-      containing one can be checkpointed ``save-compute``.
+      containing one can be checkpointed ``save-compute``. ``"state"``: modules whose
+      forward changes one of their own buffers, in place or by replacing it (spectral
+      norm's power iteration, an observer's range, a counter), BatchNorm's running
+      statistics excepted (the checkpoint wrapper puts those back). A recompute would
+      compute with the state the first run left and change it again: no unit
+      containing one can be checkpointed.
     """
     import contextlib
 
@@ -139,12 +144,20 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return overrides.get(func, func)(*args, **(kwargs or {}))
 
+    from .apply_eager import restored_buffers
+
     outputs: dict[str, list] = {}
     hooks = []
     called: list = []  # (path, [(tensor, version at the call)])
+    own_buffers: dict[str, list] = {}  # path -> per call in progress: [(name, tensor, version)]
+    changed_state: set[str] = set()
 
     def enter(path):
         def hook(_m, args, kwargs):
+            keep = restored_buffers(_m)
+            own_buffers.setdefault(path, []).append(
+                [(n, b, b._version) for n, b in _m._buffers.items()
+                 if b is not None and n not in keep])
             stack.append(path)
             leaves = pytree.tree_leaves((args, kwargs))
             called.append((path, [(t, t._version) for t in leaves
@@ -155,6 +168,10 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
         def hook(_m, _args, out):
             if stack and stack[-1] == path:
                 stack.pop()
+            calls = own_buffers.get(path)
+            if calls:
+                if any(_m._buffers.get(n) is not b or b._version != v for n, b, v in calls.pop()):
+                    changed_state.add(path)
             outputs[path] = [(first.get(o.untyped_storage()._cdata, -1),
                               o.untyped_storage().nbytes())
                              for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
@@ -187,7 +204,8 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             mutated = {"arguments": {path for path, seen in called
                                      if any(t._version != v for t, v in seen)},
                        "compute_outputs": {path for path, o, v in computed
-                                           if o._version != v}}
+                                           if o._version != v},
+                       "state": changed_state}
     finally:
         for h in hooks:
             h.remove()

@@ -226,28 +226,35 @@ def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
     predicted by a model linear in the units' choices; checkpointed units can interact
     in ways it does not see (DenseNet's layers, which read every earlier layer's output:
     3 MiB over a 111 MiB budget). A plan traced over its budget is solved again for
-    the budget less the excess, up to ``VERIFY_ROUNDS`` times. If none fits, the last
-    plan is returned with a warning: its ``verified_peak_bytes`` says by how much it
-    misses. The model is left as it was."""
+    the budget less the excess, up to ``VERIFY_ROUNDS`` times. If none fits, the plan
+    that traced lowest is returned with a warning (its ``verified_peak_bytes`` says by
+    how much it misses), or no plan at all where every one traced above the step without
+    one. On the CPU target each unit's saved RNG state, which no trace sees, is added to
+    the traced peak (problem.checkpoint_rng_bytes). The model is left as it was."""
     import warnings
 
     from .apply_eager import apply, checkpointed_modules, remove
+    from .problem import checkpoint_rng_bytes
 
     if checkpointed_modules(model):
         raise PlannerError("verifying a plan applies it to the model, which already has a "
                            "plan applied: call plan.remove(model) first, or pass "
                            "verify=False")
     budget, target = pl.budget_bytes, pl.budget_bytes
+    rng_state = checkpoint_rng_bytes(pl.problem.graph.device)
+    tried = []
     for round_ in range(VERIFY_ROUNDS + 1):
         if not pl.recomputed:
             peak = unplanned_peak
         else:
             apply(model, pl.policies)
             try:
-                peak = int(retrace(model, inputs).peak_bytes)
+                # Every unit is counted as holding its RNG state at the peak: an upper bound.
+                peak = int(retrace(model, inputs).peak_bytes) + rng_state * len(pl.policies)
             finally:
                 remove(model)
         pl.verified_peak_bytes = peak
+        tried.append(pl)
         if peak <= budget or round_ == VERIFY_ROUNDS:
             break
         target -= peak - budget
@@ -261,6 +268,20 @@ def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
             f"{format_bytes(peak)} with it applied")) if x)
         pl = again
     if pl.verified_peak_bytes > budget:
+        # None fits: the one that traced lowest, and no plan at all rather than one that
+        # takes more memory than the step without it.
+        pl = min(tried, key=lambda t: (t.verified_peak_bytes, t.recompute_seconds))
+        if pl.verified_peak_bytes >= unplanned_peak and pl.recomputed:
+            none = make_plan(pl.problem, max(unplanned_peak, int(pl.problem.base.max())),
+                             solver=solver, time_limit=time_limit)
+            none.budget_bytes, none.verified_peak_bytes = budget, unplanned_peak
+            none.note = (f"every plan for {format_bytes(budget)} traced above the step "
+                         f"without one ({format_bytes(pl.verified_peak_bytes)} at best, "
+                         f"against {format_bytes(unplanned_peak)}): nothing is checkpointed")
+            warnings.warn(f"no checkpoint plan for {format_bytes(budget)} traces under it, "
+                          f"nor under the step without one: {none.note}", RuntimeWarning,
+                          stacklevel=3)
+            return none
         warnings.warn(f"the checkpoint plan for {format_bytes(budget)} traces at "
                       f"{format_bytes(pl.verified_peak_bytes)} when applied, over the budget "
                       f"(predicted {format_bytes(pl.predicted_peak_bytes)}); a lower budget "

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..capture import OUTSIDE
 from ..errors import PlannerError
-from ..graph import ACTIVATION, BACKWARD, FORWARD, StepGraph
+from ..graph import ACTIVATION, BACKWARD, FORWARD, TEMPORARY, StepGraph, TensorInfo
 from ..timeline import build_timeline
 from .cost import DeviceSpeed, forward_bytes_per_op, is_compute_bound
 
@@ -118,14 +118,23 @@ class CheckpointProblem:
     def simulated_graph(self, x) -> StepGraph:
         """The step's graph with the plan applied: dropped activations split into a
         forward life and a recomputed one, held inputs kept to the module's backward, the
-        recompute transient as scratch of the module's first backward op."""
+        recompute transient as scratch of the module's first backward op, and (CPU target)
+        the RNG state checkpoint saves, from the module's forward to its backward."""
         g = self.graph
         tensors = list(g.tensors)
         ops = list(g.ops)
         next_id = len(tensors)
+        rng_state = checkpoint_rng_bytes(g.device)
         for c, xi in zip(self.candidates, x):
             if not xi:
                 continue
+            if rng_state:
+                tensors.append(TensorInfo(
+                    id=next_id, nbytes=rng_state, size=rng_state, shape=(rng_state,),
+                    dtype="uint8", category=TEMPORARY, alloc_op=c.f0, freed_before=c.b1 + 1,
+                    last_use=c.b1, op="checkpoint: saved RNG state", module=c.module,
+                    phase=FORWARD))
+                next_id += 1
             for tid in c.dropped:
                 t = tensors[tid]
                 fwd = copy.copy(t)
@@ -188,7 +197,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                   modules=None, policies=(FULL, SAVE_COMPUTE), sequential_modules=None,
                   max_segments: int = 600, outputs: dict | None = None,
                   mutated_inputs: set | None = None,
-                  mutated_compute: set | None = None) -> CheckpointProblem:
+                  mutated_compute: set | None = None,
+                  mutated_state: set | None = None) -> CheckpointProblem:
     """Candidates, deltas and costs from a traced training step.
 
     ``flops``: forward FLOPs per module path (``cost.module_flops``); without them the
@@ -215,7 +225,12 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     start with one (checkpoint keeps the arguments, and autograd refuses them changed).
     ``mutated_compute``: module paths in which a compute-bound op's output is changed in
     place later; a unit containing one has no ``save-compute`` variant (selective
-    checkpointing caches that output, and refuses it changed)."""
+    checkpointing caches that output, and refuses it changed). ``mutated_state``: module
+    paths whose forward changes their own buffers (``cost.forward_facts``); no unit
+    containing one is a candidate (its recompute would change them again).
+    On the CPU target, each checkpointed unit also holds the CPU RNG state
+    ``torch.utils.checkpoint`` saves at its forward (to replay dropout), until its
+    backward: 5,056 bytes on this torch, outside the dispatcher, so no trace sees it."""
     import fnmatch
     speed = speed or DeviceSpeed()
     if BACKWARD not in g.phase_starts:
@@ -223,6 +238,7 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                            "checkpoint; trace a training step (the loss must need grad)")
     n = max(g.num_ops, 1)
     base = build_timeline(g).total.astype(np.int64)
+    rng_state = checkpoint_rng_bytes(g.device)
     nbytes = forward_bytes_per_op(g)
 
     # Where each module runs: its forward ops and the backward ops attributed to it.
@@ -275,6 +291,11 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
             skipped[path] = ("an argument of it is changed in place after the call (an "
                              "inplace=True activation?): checkpoint could not recompute it")
             continue
+        changes = _changes_state(path, mutated_state)
+        if changes:
+            skipped[path] = (f"its forward changes the buffers of '{changes}' (spectral norm, "
+                             f"an observer, a counter?): a recompute would change them again")
+            continue
         if f1 - f0 + 1 != len(idx):
             # Called more than once, or interleaved with other code: one checkpoint per
             # call would be needed, which the per-op model here does not describe.
@@ -300,6 +321,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                 run = kids[i:j + 1]
                 if mutated_inputs is not None and run[0] in mutated_inputs:
                     continue  # its input is the first child's, changed in place
+                if any(_changes_state(c, mutated_state) for c in run):
+                    continue
                 f0, f1 = fwd[run[0]][0], fwd[run[-1]][-1]
                 if f1 - f0 + 1 != sum(len(fwd[c]) for c in run):
                     continue  # the parent's own code runs in between: not a plain Sequential
@@ -357,6 +380,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                                and t.phase == FORWARD and t.freed_before is not None
                                and t.freed_before < b1 + 1]
             d, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep)
+            if rng_state:
+                d[f0:b1 + 1] += rng_state
             if policy == FULL:
                 fl = unit_flops
                 moved = float(nbytes[f0:f1 + 1].sum())
@@ -372,6 +397,25 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     return CheckpointProblem(g, base, cands, delta, forward_cost,
                              "flops+bytes" if flops else "bytes", skipped,
                              outputs_known=outputs is not None)
+
+
+def _changes_state(path: str, mutated_state: set | None) -> str | None:
+    """A module at or under ``path`` whose forward changes its own buffers, if any."""
+    for m in sorted(mutated_state or ()):
+        if m == path or not path or m.startswith(path + "."):
+            return m
+    return None
+
+
+def checkpoint_rng_bytes(device: str) -> int:
+    """Bytes of target-device memory one checkpointed unit holds for the RNG state
+    ``torch.utils.checkpoint`` saves (``preserve_rng_state``): the CPU generator's state
+    on the CPU target; on CUDA the states are host tensors, none on the device."""
+    if device != "cpu":
+        return 0
+    import torch
+
+    return torch.get_rng_state().untyped_storage().nbytes()
 
 
 @dataclass
