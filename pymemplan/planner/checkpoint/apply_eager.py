@@ -56,7 +56,10 @@ def _bn_modules(modules):
 def restored_buffers(module) -> set[str]:
     """Names of ``module``'s own buffers that a checkpointed forward puts back after its
     recompute: BatchNorm's running statistics."""
-    return set(_BN_BUFFERS) if module in _bn_modules([module]) else set()
+    import torch
+
+    bn = isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+    return set(_BN_BUFFERS) if bn else set()
 
 
 def _buffer_versions(owners) -> list:
