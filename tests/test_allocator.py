@@ -520,6 +520,32 @@ def test_device_failure_injection_runs_the_retry_rung():
     check_invariants(a, dev, {q: 16 * MiB})
 
 
+@pytest.mark.parametrize("policy", ["pymemplan-vmm", "pymemplan-planned"])
+def test_a_page_mapping_out_of_memory_runs_the_retry_rung_then_fails_cleanly(policy):
+    # cuMemMap and cuMemSetAccess can run out of device memory themselves (page tables). That
+    # is an OOM like any other: cached memory goes back and the mapping is tried once more;
+    # if that fails too, the request is refused and nothing is left half-mapped.
+    dev, a = make(policy)
+    p = a.malloc(12 * MiB)
+    keep = a.malloc(6 * MiB)
+    a.free(p)                       # 6 pages cached under a free block
+    dev.fail_next_maps(1)
+    q = a.malloc(20 * MiB)          # pages to map: the first mapping fails, the retry maps
+    st = a.stats()
+    assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0
+    check_invariants(a, dev, {q: 20 * MiB, keep: 6 * MiB})
+    dev.fail_next_maps(1 << 30)     # every mapping fails from now on
+    with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
+        a.malloc(30 * MiB)
+    st = a.stats()
+    assert st["num_alloc_retries"] == 2 and st["num_ooms"] == 1
+    check_invariants(a, dev, {q: 20 * MiB, keep: 6 * MiB})
+    assert dev.used == st["reserved_bytes.all.current"]   # no page created and left behind
+    dev.fail_next_maps(0)
+    r = a.malloc(30 * MiB)          # and it still works
+    check_invariants(a, dev, {q: 20 * MiB, keep: 6 * MiB, r: 30 * MiB})
+
+
 # --- Bad input: a clear error, and the allocator still works ---
 
 @pytest.mark.parametrize("policy", ["pymemplan", "torch", "nocache"])

@@ -1,5 +1,5 @@
-"""Property-based tests: random alloc/free/record_stream/share_pages/empty_cache sequences, every policy,
-invariants checked after every step; stream safety checked against an independent model."""
+"""Property-based tests: random alloc/free/record_stream/share_pages/empty_cache sequences and failing page
+mappings, every policy, invariants checked after every step; stream safety checked against an independent model."""
 
 from __future__ import annotations
 
@@ -150,6 +150,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert given % (2 * MiB) == 0 and self.device.live_pages == before - given // (2 * MiB)
         if not self.alloc.config or "vmm:True" not in self.alloc.config:
             assert given == 0
+
+    @rule()
+    def mapping_runs_out_of_memory(self):
+        """The next page mapping fails as cuMemMap does when the page tables cannot grow: the
+        OOM ladder maps again after giving cached memory back, or the request fails cleanly
+        (vmm policies; the others map nothing)."""
+        self.device.fail_next_maps(1)
 
     @rule()
     def empty_cache(self):

@@ -512,6 +512,37 @@ def test_vmm_failing_map_midway_through_a_run_leaves_nothing_mapped():
     assert "cuMemMap failed: CUDA_ERROR_INVALID_VALUE" in out
 
 
+@pytest.mark.parametrize("call", ["map", "access"])
+def test_vmm_mapping_out_of_memory_is_retried_then_an_oom(call):
+    # cuMemMap and cuMemSetAccess need device memory for page tables, and return
+    # CUDA_ERROR_OUT_OF_MEMORY when it is short. Like a cuMemCreate OOM, that gives cached
+    # memory back and maps once more; failing again, the request is an OOM, not a driver error.
+    out = run_vmm(f"""
+        fake.fakecuda_fail_map_error(2)               # CUDA_ERROR_OUT_OF_MEMORY
+        p = alloc(8 * MiB)
+        keep = alloc(4 * MiB)
+        free(p)                                       # 4 pages cached
+        fake.fakecuda_fail_{call}_at(1)
+        q = alloc(14 * MiB)                           # 7 pages: the first mapping fails
+        assert q, err()
+        ctypes.memset(q, 5, 14 * MiB)
+        ctypes.memset(keep, 6, 4 * MiB)
+        assert stats()["num_alloc_retries"] == 1 and stats()["num_ooms"] == 0
+        fake.fakecuda_fail_map_at(1)                  # the first try fails in cuMemMap,
+        fake.fakecuda_fail_access_at(1)               # the retry in cuMemSetAccess
+        assert alloc(20 * MiB) is None
+        print(err())
+        assert stats()["num_ooms"] == 1
+        assert fake.fakecuda_bytes_in_use(0) == stats()["reserved_bytes.all.current"]
+        assert fake.fakecuda_live_mappings() == fake.fakecuda_live_handles(0)
+        r = alloc(20 * MiB)                           # and it still works
+        assert r, err()
+        ctypes.memset(r, 7, 20 * MiB)
+        assert ctypes.string_at(q, 1) == b"\\x05" and ctypes.string_at(keep, 1) == b"\\x06"
+    """)
+    assert "out of memory" in out and "CUDA_ERROR" not in out
+
+
 def test_torch_expandable_segments_run_over_the_driver():
     # The model of PyTorch's expandable segments through the real driver path: one address
     # range (80 MiB for this 64 MiB device) mapped 20 MiB at a time, in place.

@@ -1042,6 +1042,14 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
     return e;
   };
   std::size_t mapped = 0;  // missing[0, mapped) are mapped, in whole runs
+  auto undo = [&] {
+    for (std::size_t k = 0; k < mapped;) {  // the runs mapped before the error
+      const std::size_t e = run_end(k);
+      device_->unmap_pages(reinterpret_cast<void*>(seg->addr + missing[k] * page), e - k);
+      k = e;
+    }
+    release_all();
+  };
   try {
     while (mapped < missing.size()) {
       const std::size_t e = run_end(mapped);
@@ -1049,13 +1057,13 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
                          &handles[mapped], e - mapped);
       mapped = e;
     }
+  } catch (const DeviceOutOfMemory&) {
+    // The device had no memory for the mapping itself: as when it has none for a page, the
+    // caller's ladder gives cached memory back and tries once more before failing.
+    undo();
+    return false;
   } catch (...) {
-    for (std::size_t k = 0; k < mapped;) {  // the runs mapped before the error
-      const std::size_t e = run_end(k);
-      device_->unmap_pages(reinterpret_cast<void*>(seg->addr + missing[k] * page), e - k);
-      k = e;
-    }
-    release_all();
+    undo();
     throw;
   }
   for (std::size_t k = 0; k < missing.size(); ++k) {

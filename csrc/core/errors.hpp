@@ -24,6 +24,14 @@ class DeviceError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The driver ran out of memory in a call whose failure is not a plain "no memory" answer:
+// mapping pages (cuMemMap, cuMemSetAccess: the page tables need device memory too). The
+// allocator treats it as one, giving cached memory back and trying again before it fails.
+class DeviceOutOfMemory : public DeviceError {
+ public:
+  using DeviceError::DeviceError;
+};
+
 std::string format_bytes(long long bytes);
 
 }  // namespace pymemplan

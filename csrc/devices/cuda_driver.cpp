@@ -114,6 +114,7 @@ std::string Driver::error_name(CUresult r) const {
 }
 
 void Driver::check(CUresult r, const char* call) const {
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) throw DeviceOutOfMemory(std::string(call) + " failed: " + error_name(r));
   if (r != CUDA_SUCCESS) throw DeviceError(std::string(call) + " failed: " + error_name(r));
 }
 

@@ -107,6 +107,10 @@ void SimulatedDevice::release_page(PageHandle page) {
 
 void SimulatedDevice::map_page(void* ptr, PageHandle page) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (fail_maps_ > 0) {
+    --fail_maps_;
+    throw DeviceOutOfMemory("simulated device: no memory left to map a page");
+  }
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   auto p = pages_.find(page);
   if (p == pages_.end()) throw DeviceError("simulated device: map of an unknown page");
@@ -292,6 +296,11 @@ void SimulatedDevice::complete_events(StreamId stream, bool all_streams) {
 void SimulatedDevice::fail_next_allocations(int n) {
   std::lock_guard<std::mutex> lock(mutex_);
   fail_next_ = n;
+}
+
+void SimulatedDevice::fail_next_maps(int n) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  fail_maps_ = n;
 }
 
 std::size_t SimulatedDevice::used() const {

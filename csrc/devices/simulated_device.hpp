@@ -67,6 +67,9 @@ class SimulatedDevice : public Device {
   void complete_events(StreamId stream, bool all_streams = false);
   // The next `n` segment allocations fail as if the device were full.
   void fail_next_allocations(int n);
+  // The next `n` page mappings fail with DeviceOutOfMemory, as cuMemMap or cuMemSetAccess
+  // does when the page tables cannot grow.
+  void fail_next_maps(int n);
   std::size_t used() const;            // bytes in live segments (with granularity) and pages
   std::size_t live_segments() const;
   std::size_t pending_events() const;  // recorded and not complete
@@ -96,6 +99,7 @@ class SimulatedDevice : public Device {
   std::uintptr_t next_addr_;
   std::size_t used_ = 0;
   int fail_next_ = 0;
+  int fail_maps_ = 0;
   std::unordered_map<std::uintptr_t, std::size_t> segments_;
   std::map<std::uintptr_t, std::size_t> reservations_;           // address -> bytes
   std::unordered_map<PageHandle, std::size_t> pages_;            // page -> addresses mapping it

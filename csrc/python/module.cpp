@@ -163,7 +163,8 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("stream") = py::none(),
           "Complete the recorded events of one stream, or of all streams.")
-      .def("fail_next_allocations", &SimulatedDevice::fail_next_allocations, py::arg("n"));
+      .def("fail_next_allocations", &SimulatedDevice::fail_next_allocations, py::arg("n"))
+      .def("fail_next_maps", &SimulatedDevice::fail_next_maps, py::arg("n"));
 
   py::class_<Allocator>(m, "Allocator")
       .def(py::init(&make_simulated_allocator), py::arg("device"), py::arg("policy") = "pymemplan",

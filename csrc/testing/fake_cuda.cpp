@@ -120,6 +120,8 @@ struct Settings {
   int fail_alloc_countdown = 0;  // 0: disarmed
   int fail_create_countdown = 0;
   int fail_map_countdown = 0;
+  int fail_access_countdown = 0;
+  int fail_map_error = CUDA_ERROR_INVALID_VALUE;  // what injected cuMemMap/cuMemSetAccess failures return
   int fail_record_countdown = 0;  // cuEventRecord: CUDA_ERROR_INVALID_HANDLE, as for a stream of another context
   int fail_error = CUDA_ERROR_OUT_OF_MEMORY;
   int event_delay = 0;
@@ -864,7 +866,7 @@ FAKECUDA_DRIVER CUresult cuMemMap(CUdeviceptr ptr, std::size_t size, std::size_t
   State& s = state();
   REQUIRE_INIT(s);
   ++s.map_calls;
-  if (injected_failure(s.settings.fail_map_countdown)) return CUDA_ERROR_INVALID_VALUE;
+  if (injected_failure(s.settings.fail_map_countdown)) return s.settings.fail_map_error;
   const auto base = static_cast<std::uintptr_t>(ptr);
   if (flags != 0 || offset != 0 || size == 0 || size % kGranularity != 0 ||
       base % kGranularity != 0) {
@@ -917,6 +919,7 @@ FAKECUDA_DRIVER CUresult cuMemSetAccess(CUdeviceptr ptr, std::size_t size, const
   State& s = state();
   REQUIRE_INIT(s);
   ++s.set_access_calls;
+  if (injected_failure(s.settings.fail_access_countdown)) return s.settings.fail_map_error;
   const auto base = static_cast<std::uintptr_t>(ptr);
   if (desc == nullptr || count == 0 || size == 0 || base % page_size() != 0 ||
       size % page_size() != 0) {
@@ -1097,6 +1100,18 @@ void fakecuda_fail_map_at(int n) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.settings.fail_map_countdown = n > 0 ? n : 0;
+}
+
+void fakecuda_fail_access_at(int n) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.settings.fail_access_countdown = n > 0 ? n : 0;
+}
+
+void fakecuda_fail_map_error(int code) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.settings.fail_map_error = code;
 }
 
 long long fakecuda_create_calls(void) {

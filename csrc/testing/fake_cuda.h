@@ -65,8 +65,14 @@ FAKECUDA_API void fakecuda_fail_create_at(int n);
 /* The n-th cuEventRecord call from now fails once with CUDA_ERROR_INVALID_HANDLE, as the
  * driver answers for a stream of another context (another device). n <= 0 disarms. */
 FAKECUDA_API void fakecuda_fail_record_at(int n);
-/* The n-th cuMemMap call from now fails once with CUDA_ERROR_INVALID_VALUE. n <= 0 disarms. */
+/* The n-th cuMemMap call from now fails once, with CUDA_ERROR_INVALID_VALUE or the code set
+ * by fakecuda_fail_map_error. n <= 0 disarms. */
 FAKECUDA_API void fakecuda_fail_map_at(int n);
+/* The same for cuMemSetAccess. */
+FAKECUDA_API void fakecuda_fail_access_at(int n);
+/* The code injected cuMemMap and cuMemSetAccess failures return (default
+ * CUDA_ERROR_INVALID_VALUE = 1; CUDA_ERROR_OUT_OF_MEMORY = 2: the page tables could not grow). */
+FAKECUDA_API void fakecuda_fail_map_error(int code);
 /* A stream of `device`'s primary context (an opaque handle, nothing runs on it).
  * cuStreamGetCtx reports that context for it, and cuEventRecord refuses, with
  * CUDA_ERROR_INVALID_HANDLE, an event created in another context, as the driver does.
