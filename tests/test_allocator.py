@@ -546,6 +546,16 @@ def test_a_page_mapping_out_of_memory_runs_the_retry_rung_then_fails_cleanly(pol
     check_invariants(a, dev, {q: 20 * MiB, keep: 6 * MiB, r: 30 * MiB})
 
 
+@pytest.mark.parametrize("policy,periodic", [("pymemplan-vmm", False), ("pymemplan-planned", True)])
+def test_fuzz_with_page_mappings_running_out_of_memory(policy, periodic):
+    # Every 37th operation the next page mapping fails: with pages moved, plans arming and
+    # pages shared in between, no invariant breaks and no driver error escapes.
+    r = _core.fuzz(20000, 5, policy, "", 1 << 30, 0, 3, True, 500, periodic, fail_map_every=37)
+    assert r["mallocs"] > 5000 and r["full_checks"] > 0
+    if periodic:
+        assert r["plan_hits"] > 0
+
+
 # --- Bad input: a clear error, and the allocator still works ---
 
 @pytest.mark.parametrize("policy", ["pymemplan", "torch", "nocache"])

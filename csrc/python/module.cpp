@@ -330,9 +330,9 @@ PYBIND11_MODULE(_core, m) {
       [](std::uint64_t ops, std::uint64_t seed, const std::string& policy,
          const std::string& config, std::size_t capacity, std::size_t limit, int streams,
          bool manual_events, std::uint64_t full_check_every, bool periodic,
-         const std::string& plans) {
+         const std::string& plans, std::uint64_t fail_map_every) {
         FuzzOptions o{ops, seed, policy, config, capacity, limit, streams, manual_events,
-                      full_check_every, periodic, plans};
+                      full_check_every, periodic, plans, fail_map_every};
         FuzzReport r;
         {
           py::gil_scoped_release release;
@@ -365,9 +365,10 @@ PYBIND11_MODULE(_core, m) {
       py::arg("ops"), py::arg("seed") = 1, py::arg("policy") = "pymemplan",
       py::arg("config") = "", py::arg("capacity") = std::size_t{4} << 30, py::arg("limit") = 0,
       py::arg("streams") = 3, py::arg("manual_events") = true, py::arg("full_check_every") = 1000,
-      py::arg("periodic") = false, py::arg("plans") = "",
+      py::arg("periodic") = false, py::arg("plans") = "", py::arg("fail_map_every") = 0,
       "Random operations checked against the allocator's invariants; raises on a violation. "
-      "pymemplan-planned imports `plans` first, and returns its own in 'plans'.");
+      "pymemplan-planned imports `plans` first, and returns its own in 'plans'. Every "
+      "`fail_map_every` operations (0: never) the next page mapping runs out of memory.");
 
   m.def(
       "replay",

@@ -65,6 +65,7 @@ class Fuzzer {
       programs_[1] = make_program();
     }
     for (op_ = 0; op_ < o_.ops; ++op_) {
+      if (o_.fail_map_every != 0 && op_ % o_.fail_map_every == 0) device_->fail_next_maps(1);
       if (!o_.periodic) {
         step();
       } else if (rng_() % 32 != 0) {

@@ -28,6 +28,9 @@ struct FuzzOptions {
   // pymemplan-planned: plans (export_plans() text, as a previous run's FuzzReport::plans)
   // imported before the first operation: a restarted job.
   std::string plans;
+  // Every this many operations the next page mapping runs out of memory (a cuMemMap whose
+  // page tables cannot grow), which the OOM ladder must absorb (0: never).
+  std::uint64_t fail_map_every = 0;
 };
 
 struct FuzzReport {

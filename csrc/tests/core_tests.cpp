@@ -171,6 +171,31 @@ int main(int argc, char** argv) {
       ++failures;
     }
   }
+  // Page mappings that run out of memory now and then (a cuMemMap whose page tables cannot
+  // grow): the OOM ladder absorbs each, with pages moved, plans arming and pages shared.
+  for (const bool periodic : {false, true}) {
+    for (const std::size_t limit : {std::size_t{0}, std::size_t{96} << 20}) {
+      FuzzOptions o;
+      o.ops = ops / 4 + 1;
+      o.seed = 11;
+      o.policy = periodic ? "pymemplan-planned" : "pymemplan-vmm";
+      o.capacity = std::size_t{2} << 30;
+      o.limit = limit;
+      o.periodic = periodic;
+      o.fail_map_every = 97;
+      try {
+        const FuzzReport r = fuzz(o);
+        std::printf("fuzz %-17s failing maps, limit %zu MiB: ops=%llu ooms=%llu plan_hits=%llu\n",
+                    o.policy.c_str(), limit >> 20, static_cast<unsigned long long>(r.ops),
+                    static_cast<unsigned long long>(r.ooms),
+                    static_cast<unsigned long long>(r.plan_hits));
+        if (periodic) CHECK(r.plan_hits > 0);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "fuzz %s with failing maps: %s\n", o.policy.c_str(), e.what());
+        ++failures;
+      }
+    }
+  }
   for (const char* p : {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache"}) {
     bad_input(p);
     threads(p);
