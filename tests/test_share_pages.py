@@ -127,8 +127,12 @@ def test_policies_without_virtual_memory_share_nothing(policy, config):
 def test_share_pages_config_key_is_checked():
     with pytest.raises(_core.AllocatorError, match="share_pages"):
         _core.Allocator(_core.SimulatedDevice(1 << 30), "pymemplan-planned", "share_pages:2")
-    assert "share_pages:0" in _core.Allocator(_core.SimulatedDevice(1 << 30), "pymemplan-planned",
-                                              "share_pages:0").config
+    for policy in ("pymemplan-vmm", "pymemplan-planned"):
+        with pytest.raises(_core.AllocatorError, match="bad value 'yes' for 'share_pages'"):
+            _core.Allocator(_core.SimulatedDevice(1 << 30), policy, "share_pages:yes")
+        for off in ("0", "False"):
+            assert "share_pages:False" in _core.Allocator(_core.SimulatedDevice(1 << 30), policy,
+                                                          f"share_pages:{off}").config
 
 
 def _state_then_steps(config, pages=8):
@@ -191,4 +195,21 @@ def test_a_request_that_would_fail_gets_pages_given_back_by_sharing():
     # With the pairs made, nothing is left to give: the next request fails cleanly.
     with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
         alloc.malloc(4 * MiB)
+    check_invariants(alloc, device, {**{p: MiB for p in kept}, big: 3 * MiB})
+
+
+@pytest.mark.parametrize("policy", ["pymemplan-vmm", "pymemplan-planned"])
+def test_share_pages_off_leaves_pages_alone_until_asked(policy):
+    """share_pages:False, for programs whose other threads launch kernels while one allocates:
+    the OOM ladder fails rather than synchronize, copy and remap; share_pages() on request
+    still pairs."""
+    device = _core.SimulatedDevice(8 * MiB)
+    alloc = _core.Allocator(device, policy, "share_pages:False")
+    kept = _half_pages(alloc, 4)
+    with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
+        alloc.malloc(3 * MiB)
+    assert device.device_synchronizations == 0
+    check_invariants(alloc, device, {p: MiB for p in kept})
+    assert alloc.share_pages() == 4 * MiB and device.device_synchronizations == 1
+    big = alloc.malloc(3 * MiB)
     check_invariants(alloc, device, {**{p: MiB for p in kept}, big: 3 * MiB})

@@ -450,7 +450,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
         throw;
       }
     }
-    if (!backed && device_->supports_page_sharing()) {
+    if (!backed && config_.share_pages && device_->supports_page_sharing()) {
       // ours: pages that blocks in use fill only partly, paired onto one physical page
       // (share_pages), may give back the pages this request needs. A device-wide
       // synchronize is the price of not failing.

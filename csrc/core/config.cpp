@@ -29,6 +29,7 @@ constexpr KeyInfo kKeys[] = {
     {"medium_segment_mb", kMediumSegmentValues, true},
     {"vmm", "True or False", true},
     {"vmm_segment_mb", "an integer >= 2 (MiB)", true},
+    {"share_pages", "True or False (1 or 0)", true},
     {"expandable_segments", "True or False", false, true},
 };
 
@@ -166,6 +167,8 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       long long mb = parse_int(key, value, "an integer >= 2 (MiB)");
       if (mb < 2 || mb > (1LL << 30)) bad_value(key, value, "an integer >= 2 (MiB)");
       c.vmm_segment = static_cast<std::size_t>(mb) * kMiB;
+    } else if (key == "share_pages") {
+      c.share_pages = parse_bool(key, value);
     } else if (key == "cross_stream_reuse") {
       c.cross_stream_reuse = parse_bool(key, value);
     } else if (key == "expandable_segments") {
@@ -195,6 +198,7 @@ std::string PolicyConfig::to_string() const {
     put("medium_segment_mb", std::to_string(medium_segment / kMiB));
     put("vmm", vmm ? "True" : "False");
     put("vmm_segment_mb", std::to_string(vmm_segment / kMiB));
+    put("share_pages", share_pages ? "True" : "False");
   }
   return out.str();
 }

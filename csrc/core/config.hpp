@@ -40,6 +40,12 @@ struct PolicyConfig {
   bool vmm = false;
   // Size of the address ranges reserved for virtual segments (vmm only).
   std::size_t vmm_segment = 1024 * kMiB;
+  // Page sharing on the allocator's own initiative (vmm only): the OOM ladder's last step and,
+  // in pymemplan-planned, at each arming. Each pairing synchronizes the device, copies live
+  // bytes and remaps a page, so no other host thread may launch work on those tensors
+  // meanwhile; False for programs whose threads launch kernels while others allocate.
+  // share_pages() on request works either way.
+  bool share_pages = true;
   // PyTorch's expandable segments (torch only; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
   // one address range per stream and pool, mapped at its end as it grows, 2 MiB at a time
   // for the small pool and 20 MiB for the large one.

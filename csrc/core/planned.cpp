@@ -83,7 +83,6 @@ constexpr PlannedKey kPlannedKeys[] = {
     {"search_rounds", &PlannedConfig::search_rounds, 0, 100000},
     {"plan_slack", &PlannedConfig::plan_slack, 0, 1000},
     {"holes", &PlannedConfig::holes, 0, 1},
-    {"share_pages", &PlannedConfig::share_pages, 0, 1},
 };
 
 std::string planned_keys() {
@@ -999,7 +998,7 @@ bool PlannedAllocator::arm(int v) {
   // could fill. Whether that pays is known only once the plan is packed both ways, so it
   // is weighed only where the plan is packed anyway.
   std::vector<SharePair> pairs;
-  if (config_.share_pages != 0 && repack) {
+  if (config_.pool.share_pages && repack) {
     // Blocks younger than a period may be freed within the next one: pages they touch are
     // left alone. Older ones (parameters, optimizer state) hold pages for good.
     const std::uint64_t now = base_ + events_.size();

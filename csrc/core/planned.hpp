@@ -125,12 +125,9 @@ namespace pymemplan {
 //   holes            1: blocks of a plan go first to the free parts of pages      default 1
 //                    that blocks outliving the period keep mapped (packing.hpp
 //                    fill_holes); 0: everything to the arena
-//   share_pages      1: at each arming, pages that blocks outliving the period     default 1
-//                    keep partly used are paired where their live bytes lie at
-//                    disjoint offsets, one copied into the other and both
-//                    addresses mapping one page (CachingAllocator::share_pages;
-//                    a device-wide synchronize, so no other thread may enqueue
-//                    work meanwhile); 0: never
+// The pool's share_pages key (config.hpp) also decides whether, at each arming, pages that
+// blocks outliving the period keep partly used are paired where their live bytes lie at
+// disjoint offsets (CachingAllocator::share_pages).
 struct PlannedConfig {
   PolicyConfig pool;
   std::size_t min_period = 16;
@@ -141,7 +138,6 @@ struct PlannedConfig {
   std::size_t search_rounds = 0;
   std::size_t plan_slack = 10;
   std::size_t holes = 1;
-  std::size_t share_pages = 1;
 
   // Throws AllocatorError naming the bad key or value and listing the valid keys.
   static PlannedConfig parse(const std::string& conf);
