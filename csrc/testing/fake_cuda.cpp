@@ -1032,12 +1032,17 @@ FAKECUDA_DRIVER CUresult cuGetProcAddress(const char* symbol, void** pfn, int cu
 
 namespace {
 
-// A counter read under the state's lock.
+// A counter read, or a setting changed, under the state's lock.
 template <class F>
 auto locked(F read) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   return read(s);
+}
+
+// Arms an injected failure: the n-th call from now fails once; n <= 0 disarms.
+void arm(int Settings::*countdown, int n) {
+  locked([&](State& s) { s.settings.*countdown = n > 0 ? n : 0; });
 }
 
 }  // namespace
@@ -1062,16 +1067,10 @@ void fakecuda_set_capacity(size_t bytes) {
   s.settings.capacity = bytes;
 }
 
-void fakecuda_fail_alloc_at(int n) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_alloc_countdown = n > 0 ? n : 0;
-}
+void fakecuda_fail_alloc_at(int n) { arm(&Settings::fail_alloc_countdown, n); }
 
 void fakecuda_fail_alloc_error(int code) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_error = code;
+  locked([&](State& s) { s.settings.fail_error = code; });
 }
 
 void* fakecuda_stream_create(int device) {
@@ -1084,34 +1083,16 @@ void* fakecuda_stream_create(int device) {
   return stream;
 }
 
-void fakecuda_fail_record_at(int n) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_record_countdown = n > 0 ? n : 0;
-}
+void fakecuda_fail_record_at(int n) { arm(&Settings::fail_record_countdown, n); }
 
-void fakecuda_fail_create_at(int n) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_create_countdown = n > 0 ? n : 0;
-}
+void fakecuda_fail_create_at(int n) { arm(&Settings::fail_create_countdown, n); }
 
-void fakecuda_fail_map_at(int n) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_map_countdown = n > 0 ? n : 0;
-}
+void fakecuda_fail_map_at(int n) { arm(&Settings::fail_map_countdown, n); }
 
-void fakecuda_fail_access_at(int n) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_access_countdown = n > 0 ? n : 0;
-}
+void fakecuda_fail_access_at(int n) { arm(&Settings::fail_access_countdown, n); }
 
 void fakecuda_fail_map_error(int code) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.settings.fail_map_error = code;
+  locked([&](State& s) { s.settings.fail_map_error = code; });
 }
 
 long long fakecuda_create_calls(void) {
