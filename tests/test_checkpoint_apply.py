@@ -343,13 +343,47 @@ def test_modules_whose_forward_changes_their_buffers_are_never_checkpointed():
     units = {c.module for c in p.candidates}
     assert "3" in units, "the block without state is a candidate"
     assert not any(u in ("", "0", "1", "2") or u.startswith(("0", "1", "2", "[")) for u in units)
-    assert "changes the buffers of '0.0.parametrizations.weight.0'" in p.skipped["0"]
+    assert "the forward of '0.0.parametrizations.weight.0' changes its buffer '_u'" in p.skipped["0"]
     # Applied by hand anyway, it is an error at the forward, not a silent change.
     from pymemplan.planner.checkpoint.apply_eager import apply, remove
     apply(model, ["0"])
     with pytest.raises(PlannerError, match="changes the buffer '_u'"):
         model(x).sum().backward()
     remove(model)
+
+
+class _Counted(nn.Module):
+    """A block whose forward moves a Python counter and draws noise from a generator of
+    its own: neither is a buffer, and checkpoint restores only the default generator."""
+
+    def __init__(self, d=128, generator=True):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.calls = 0
+        self.gen = torch.Generator().manual_seed(1) if generator else None
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.gen is not None:
+            return torch.relu(h + 0.1 * torch.randn(h.shape, generator=self.gen))
+        self.calls += 1
+        return torch.relu(h) * (1.0 + 0.01 * self.calls)
+
+
+@pytest.mark.parametrize("generator", [True, False])
+def test_modules_with_python_state_or_their_own_generator_are_never_checkpointed(generator):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Counted(generator=generator) for _ in range(3)],
+                          nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)))
+    x = torch.randn(256, 128)
+    t = pymemplan.trace(model, (x,), loss_fn=lambda o: o.pow(2).mean(), device="cpu")
+    assert [m.calls for m in model[:3]] == [0, 0, 0], "tracing ran the counter for real"
+    p = t.checkpoint_problem(model, (x,))
+    units = {c.module for c in p.candidates}
+    assert "3" in units and not units & {"0", "1", "2", ""}
+    what = "a random generator of its own" if generator else "its attribute 'calls'"
+    assert f"the forward of '0' changes {what}" in p.skipped["0"]
+    assert [m.calls for m in model[:3]] == [0, 0, 0]
 
 
 def test_module_keywords_named_as_checkpoint_options_reach_the_module():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -615,3 +617,89 @@ def test_accumulation_micro_step_keeps_every_gradient_backward_adds_into():
     measured = measure_step(model, (ids,), loss_fn=loss, optimizer=torch.optim.AdamW,
                             grads_present=True)
     assert abs(t.peak_bytes - measured.peak_bytes) <= 0.001 * measured.peak_bytes
+
+
+class _LazyState(nn.Module):
+    """Creates state in its first forward, as position tables and rotary caches often do,
+    and counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.cache = {}
+        self.calls = 0
+
+    def forward(self, x):
+        if not hasattr(self, "pos"):
+            self.register_buffer("pos", torch.ones(x.shape[0], 16))
+        if x.shape[0] not in self.cache:
+            self.cache[x.shape[0]] = torch.full((x.shape[0], 16), 2.0)
+        self.calls += 1
+        return (self.lin(x) + self.pos) * self.cache[x.shape[0]]
+
+
+def test_tracing_leaves_no_fake_state_and_no_side_effect_in_the_model():
+    torch.manual_seed(0)
+    model, x = _LazyState(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    t = pymemplan.trace(model, (x,), loss_fn=lambda o: o.pow(2).mean(),
+                        optimizer=torch.optim.SGD, device="cpu")
+    assert t.peak_bytes > 0
+    t.plan(t.peak_bytes)  # plans trace the model again to verify themselves
+    assert not hasattr(model, "pos") and model.cache == {} and model.calls == 0
+    assert list(model.state_dict()) == ["lin.weight", "lin.bias"]
+    # The real step that follows computes what an untraced copy does.
+    assert torch.equal(model(x), reference(x))
+    assert type(model.pos) is torch.Tensor and model.calls == 1
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+                                       torch.optim.Adagrad, torch.optim.Adafactor])
+def test_optimizers_that_read_scalars_in_their_step_trace_exactly(optimizer):
+    # Their step reads values (.item()) that fake tensors lack; a placeholder stands in,
+    # and must not be one that a formula divides by (NAdam: 1 - mu_product).
+    torch.manual_seed(0)
+    model, x = mlp(dropout=0.0), torch.randn(16, 64)
+    predicted = pymemplan.trace(model, (x,), loss_fn=ce_loss, optimizer=optimizer,
+                                device="cpu").peak_bytes
+    assert predicted == measure_step(model, (x,), loss_fn=ce_loss, optimizer=optimizer).peak_bytes
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_hugging_face_decoder_without_cache_traces_its_eager_attention_path(use_cache):
+    # With use_cache=False (training, gradient checkpointing) transformers asks whether the
+    # batch packs several sequences, a question fake tensors cannot answer: it would build a
+    # full mask and copy keys and values per layer, which the eager step does not.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=500, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=use_cache)
+    model, ids = transformers.Qwen2ForCausalLM(cfg), torch.randint(0, 500, (2, 64))
+
+    def loss(out):
+        return out.logits.float().mean()
+
+    predicted = pymemplan.trace(model, (ids,), loss_fn=loss, device="cpu").peak_bytes
+    assert predicted == measure_step(model, (ids,), loss_fn=loss).peak_bytes
+    from transformers import masking_utils
+    assert not hasattr(masking_utils.find_packed_sequence_indices, "__wrapped__")
+
+
+def test_a_tensor_the_loss_closes_over_is_counted_once_for_the_whole_step():
+    # Targets held by a closure live through the step, however many ops read them; the
+    # inputs a closure reads are the inputs, counted once already.
+    torch.manual_seed(0)
+    big = torch.randint(0, 10, (512, 1024))  # 4 MiB, read twice
+    x = torch.randn(256, 64)
+    model = nn.Linear(64, 64)
+
+    def loss(out):
+        return out.mean() + (big > 3).float().mean() * 0 + big.float().mean() * 0 + x.sum() * 0
+
+    t = pymemplan.trace(model, (x,), loss_fn=loss, device="cpu")
+    captured = [r for r in t.graph.tensors if r.name == "captured tensor"]
+    assert len(captured) == 1 and captured[0].nbytes == big.nbytes
+    assert captured[0].freed_before is None  # alive to the end of the step
+    # measure_step sees only what the step allocates, plus the model's state and inputs.
+    assert t.peak_bytes == measure_step(model, (x,), loss_fn=loss).peak_bytes + big.nbytes

@@ -35,6 +35,8 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
                     OPTIMIZER, OPTIMIZER_STATE, PARAMETER, TEMPORARY, OpNode, StepGraph,
                     TensorInfo)
 from .errors import PlannerError, UntraceableError
+from .library_shims import eager_paths
+from .module_state import kept_as_it_was
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
 
 
@@ -96,6 +98,14 @@ class _Recorder:
         # operand ids, operand ids freed since).
         self.sum_watch: tuple | None = None
         self.sum_aliases: list[tuple[int, int]] = []  # (operand, sum): see _settle_sum
+        # id(real tensor) -> (it, its fake copy) for real tensors the model or the loss
+        # closes over: held for the whole step, as the closure holds the real one, so that
+        # the copy is one tensor from the start to the end, however often ops read it.
+        self.captured: dict[int, tuple] = {}
+        # Storages of the real parameters, buffers and inputs: registered already (as their
+        # fake copies), so a closure reading the real tensor (a loss_fn over the inputs)
+        # reads no new tensor.
+        self.known_real: set[int] = set()
 
     # -- storages ------------------------------------------------------------------------
     def _new(self, t, category: str, op_index: int, op: str = "", name: str = "",
@@ -199,6 +209,7 @@ class _Recorder:
         for f in self.finalizers:
             f.detach()
         self.finalizers.clear()
+        self.captured.clear()
 
     # Whether sums may be merged (_settle_sum). Not under FSDP (the sharded recorder): there
     # a parameter's unsharded gradient is a temporary the collectives take, and merging its
@@ -276,8 +287,12 @@ class _Recorder:
         for a in flat_in:
             if not is_fake(a) and a.device.type != "meta":
                 # A real tensor the model or loss closes over (e.g. targets): FakeTensorMode
-                # converts it (memoized); it exists before the step, as an input.
-                self.register(self.fake_mode.from_tensor(a), INPUT, name="captured tensor")
+                # converts it; it exists before the step, as an input.
+                if _storage_key(a) in self.known_real:
+                    continue
+                if id(a) not in self.captured:
+                    self.captured[id(a)] = (a, self.fake_mode.from_tensor(a))
+                self.register(self.captured[id(a)][1], INPUT, name="captured tensor")
         in_keys = [_storage_key(a) if is_fake(a) else _storage_key(self.fake_mode.from_tensor(a))
                    for a in flat_in if a.device.type != "meta"]
         index = len(self.ops)
@@ -554,8 +569,9 @@ def _make_optimizer(optimizer, params: list, fake_of: dict, profile: DeviceProfi
 def _placeholder_scalar(t):
     """A value for ``.item()`` on a fake tensor in the optimizer step. Some optimizers
     read scalars there (Adafactor's parameter norm scales its step size); the memory the
-    step takes does not depend on them, and fake tensors have no values."""
-    return False if t.dtype == _torch().bool else (0 if not t.dtype.is_floating_point else 1.0)
+    step takes does not depend on them, and fake tensors have no values. 0.5, not 1.0:
+    bias corrections divide by ``1 - beta_product`` (NAdam's ``1 - mu_product``)."""
+    return False if t.dtype == _torch().bool else (0 if not t.dtype.is_floating_point else 0.5)
 
 
 def _torch():
@@ -893,6 +909,16 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
 
     ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
     signatures whose tensors fit in that many bytes."""
+    # The forward's Python side effects (state made lazily, counters) are undone after it.
+    with kept_as_it_was(model), eager_paths():
+        return _capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                        autocast=autocast, train=train, progress=progress,
+                        probe_limit=probe_limit, grads_present=grads_present,
+                        grad_scaler=grad_scaler, nonzero_density=nonzero_density)
+
+
+def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, progress,
+             probe_limit, grads_present, grad_scaler, nonzero_density) -> StepGraph:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
@@ -935,6 +961,10 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             scaler = _ScalerState() if grad_scaler else None
 
         # What exists when the step starts.
+        rec.known_real = {_storage_key(t) for t in (*model.parameters(), *model.buffers(),
+                                                    *pytree.tree_leaves(tuple(inputs)))
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"
+                          and t.layout == torch.strided}
         for p in model.parameters():
             rec.register(fake_of[id(p)], PARAMETER, names[id(p)])
             rec.param_module[id(fake_of[id(p)])] = names[id(p)].rpartition(".")[0]

@@ -671,12 +671,15 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
         raise PlannerError("the model has no parameters that require grad: nothing to shard")
     if strategy in ("zero1",) and optimizer is None:
         raise PlannerError("zero1 shards the optimizer's state: pass optimizer=...")
-    g = _capture_sharded(model, inputs, strategy=strategy, world_size=world_size, rank=rank,
-                         loss_fn=loss_fn, optimizer=optimizer, profile=profile,
-                         autocast=autocast, progress=progress,
-                         probe_limit=_probe_limit() if probe_kernels else 0,
-                         grad_scaler=grad_scaler, options=options,
-                         nonzero_density=nonzero_density)
+    from ..planner.library_shims import eager_paths
+
+    with eager_paths():
+        g = _capture_sharded(model, inputs, strategy=strategy, world_size=world_size,
+                             rank=rank, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                             autocast=autocast, progress=progress,
+                             probe_limit=_probe_limit() if probe_kernels else 0,
+                             grad_scaler=grad_scaler, options=options,
+                             nonzero_density=nonzero_density)
     return MemoryTrace(g)
 
 
@@ -825,6 +828,10 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         # -- what exists when the step starts ---------------------------------------------
         probes = ProbeSet(probe_limit) if probe_limit > 0 else None
         rec = _recorder_class()(profile, fake_mode, progress, probes)
+        # A loss_fn over the real inputs reads tensors registered already (their copies).
+        rec.known_real = {t.untyped_storage()._cdata for t in pytree.tree_leaves(tuple(inputs))
+                          if isinstance(t, torch.Tensor) and t.device.type != "meta"
+                          and t.layout == torch.strided}
         rec.nonzero_density = nonzero_density
         stack.callback(rec.close)
         fsdp = _fsdp_params(fmodel) if strategy in ("zero2", "zero3", "fsdp") else []

@@ -89,7 +89,10 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
       containing one can be checkpointed ``save-compute``. ``"state"``: modules whose
       forward changes one of their own buffers, in place or by replacing it (spectral
       norm's power iteration, an observer's range, a counter), BatchNorm's running
-      statistics excepted (the checkpoint wrapper puts those back). A recompute would
+      statistics excepted (the checkpoint wrapper puts those back), rebinds one of its
+      Python attributes (a step counter), or draws random numbers from a generator of its
+      own (checkpoint restores only the default generator's state); a dict of module
+      path -> what it changes. A recompute would
       compute with the state the first run left and change it again: no unit
       containing one can be checkpointed.
     """
@@ -126,6 +129,10 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = run_op(func, args, kwargs, nonzero_density)
+            if stack and (kwargs or {}).get("generator") is not None:
+                # A generator of its own: checkpoint restores only the default one's
+                # state, so the recompute would draw other numbers.
+                changed_state.setdefault(stack[-1], "a random generator of its own")
             heavy = is_compute_bound(str(func))
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
@@ -144,13 +151,15 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return overrides.get(func, func)(*args, **(kwargs or {}))
 
+    from ..library_shims import eager_paths
+    from ..module_state import kept_as_it_was
     from .apply_eager import restored_buffers
 
     outputs: dict[str, list] = {}
     hooks = []
     called: list = []  # (path, [(tensor, version at the call)])
     own_buffers: dict[str, list] = {}  # path -> per call in progress: [(name, tensor, version)]
-    changed_state: set[str] = set()
+    changed_state: dict[str, str] = {}  # module path -> what of its state it changes
 
     def enter(path):
         def hook(_m, args, kwargs):
@@ -170,14 +179,18 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
                 stack.pop()
             calls = own_buffers.get(path)
             if calls:
-                if any(_m._buffers.get(n) is not b or b._version != v for n, b, v in calls.pop()):
-                    changed_state.add(path)
+                moved = [n for n, b, v in calls.pop()
+                         if _m._buffers.get(n) is not b or b._version != v]
+                if moved:
+                    changed_state.setdefault(path, f"its buffer '{moved[0]}'")
             outputs[path] = [(first.get(o.untyped_storage()._cdata, -1),
                               o.untyped_storage().nbytes())
                              for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         return hook
 
     modes = {m: m.training for m in model.modules()}
+    kept = kept_as_it_was(model)
+    snapshot = kept.__enter__()
     try:
         for path, m in model.named_modules():
             hooks.append(m.register_forward_hook(leave(path)))
@@ -199,8 +212,12 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             counter = FlopCounterMode(display=False)
             amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                    else contextlib.nullcontext())
-            with counter, Ops(), Kernels(), amp:
+            with counter, Ops(), Kernels(), amp, eager_paths():
                 torch.func.functional_call(model, state, args)
+            # Python attributes the forward rebinds (a step counter, a schedule) are state
+            # as its buffers are.
+            for path, attrs in snapshot.changed().items():
+                changed_state.setdefault(path, f"its attribute '{sorted(attrs)[0]}'")
             mutated = {"arguments": {path for path, seen in called
                                      if any(t._version != v for t, v in seen)},
                        "compute_outputs": {path for path, o, v in computed
@@ -211,6 +228,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             h.remove()
         for m, mode in modes.items():
             m.training = mode
+        kept.__exit__(None, None, None)
     root = type(model).__name__
     flops: dict[str, float] = {}
     for name, per_op in counter.get_flop_counts().items():

@@ -198,7 +198,7 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                   max_segments: int = 600, outputs: dict | None = None,
                   mutated_inputs: set | None = None,
                   mutated_compute: set | None = None,
-                  mutated_state: set | None = None) -> CheckpointProblem:
+                  mutated_state: dict | set | None = None) -> CheckpointProblem:
     """Candidates, deltas and costs from a traced training step.
 
     ``flops``: forward FLOPs per module path (``cost.module_flops``); without them the
@@ -226,8 +226,9 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     ``mutated_compute``: module paths in which a compute-bound op's output is changed in
     place later; a unit containing one has no ``save-compute`` variant (selective
     checkpointing caches that output, and refuses it changed). ``mutated_state``: module
-    paths whose forward changes their own buffers (``cost.forward_facts``); no unit
-    containing one is a candidate (its recompute would change them again).
+    paths whose forward changes their own state (buffers, Python attributes, a generator
+    of their own; ``cost.forward_facts``: a dict path -> what, or a set); no unit
+    containing one is a candidate (its recompute would not compute the same).
     On the CPU target, each checkpointed unit also holds the CPU RNG state
     ``torch.utils.checkpoint`` saves at its forward (to replay dropout), until its
     backward: 5,056 bytes on this torch, outside the dispatcher, so no trace sees it."""
@@ -293,8 +294,9 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
             continue
         changes = _changes_state(path, mutated_state)
         if changes:
-            skipped[path] = (f"its forward changes the buffers of '{changes}' (spectral norm, "
-                             f"an observer, a counter?): a recompute would change them again")
+            what = mutated_state[changes] if isinstance(mutated_state, dict) else "its buffers"
+            skipped[path] = (f"the forward of '{changes}' changes {what} (spectral norm, an "
+                             f"observer, a counter?): a recompute would not compute the same")
             continue
         if f1 - f0 + 1 != len(idx):
             # Called more than once, or interleaved with other code: one checkpoint per
@@ -399,8 +401,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                              outputs_known=outputs is not None)
 
 
-def _changes_state(path: str, mutated_state: set | None) -> str | None:
-    """A module at or under ``path`` whose forward changes its own buffers, if any."""
+def _changes_state(path: str, mutated_state) -> str | None:
+    """A module at or under ``path`` whose forward changes its own state, if any."""
     for m in sorted(mutated_state or ()):
         if m == path or not path or m.startswith(path + "."):
             return m

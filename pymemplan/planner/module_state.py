@@ -1,0 +1,110 @@
+"""What a traced forward leaves in the user's model, put back as it was.
+
+Tracing runs the model's Python code. A forward that creates state lazily (a buffer
+registered on the first call, a tensor cached in a dict, a counter incremented) would
+otherwise leave fake tensors and moved counters behind: the real step that follows gets a
+tensor with no data. :func:`kept_as_it_was` records each module's attributes, and the
+contents of its dicts, lists and sets, and puts them back on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+# Kept by nn.Module itself, or put back by the tracer (hooks, train/eval flags).
+_SKIPPED = frozenset({"training"})
+
+
+def _skipped(key: str) -> bool:
+    return key in _SKIPPED or "hooks" in key
+
+
+def _contents(value):
+    """A shallow copy of a plain container's contents, or None for anything else."""
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, set):
+        return set(value)
+    return None
+
+
+class Snapshot:
+    """Each module's attributes as they are now: ``(module path, module, attributes,
+    container contents)``."""
+
+    def __init__(self, model):
+        self.modules = []
+        for path, m in model.named_modules(remove_duplicate=True):
+            attrs = {k: v for k, v in vars(m).items() if not _skipped(k)}
+            held = {k: c for k, v in attrs.items() if (c := _contents(v)) is not None}
+            self.modules.append((path, m, attrs, held))
+
+    def changed(self) -> dict[str, set[str]]:
+        """Module path -> the attributes its forward rebound or whose existing entries it
+        changed. New attributes and new entries (a cache filled on the first call) are not
+        changes: a second run of the forward finds them and computes the same."""
+        out: dict[str, set[str]] = {}
+        for path, m, attrs, held in self.modules:
+            now = vars(m)
+            for k, v in attrs.items():
+                if k not in now:
+                    continue
+                if now[k] is not v:
+                    out.setdefault(path, set()).add(k)
+                elif k in held and _entries_changed(held[k], v):
+                    out.setdefault(path, set()).add(k)
+        return out
+
+    def restore(self) -> None:
+        for _path, m, attrs, held in self.modules:
+            now = vars(m)
+            for k in [k for k in now if k not in attrs and not _skipped(k)]:
+                del now[k]
+            for k, v in attrs.items():
+                if now.get(k, _MISSING) is not v:
+                    now[k] = v
+                if k in held and not _same(held[k], v):
+                    _put_back(v, held[k])
+
+
+_MISSING = object()
+
+
+def _entries_changed(before, container) -> bool:
+    if isinstance(container, dict):
+        return any(k in container and container[k] is not v for k, v in before.items())
+    if isinstance(container, list):
+        return any(a is not b for a, b in zip(before, container))
+    return False
+
+
+def _same(before, container) -> bool:
+    """Whether a container holds what it held, by identity (tensors have no plain ==)."""
+    if isinstance(container, dict):
+        return (len(before) == len(container)
+                and all(k in container and container[k] is v for k, v in before.items()))
+    if isinstance(container, list):
+        return len(before) == len(container) and all(a is b for a, b in zip(before, container))
+    return before == container
+
+
+def _put_back(container, contents) -> None:
+    if isinstance(container, list):
+        container[:] = contents
+    else:
+        container.clear()
+        container.update(contents)
+
+
+@contextlib.contextmanager
+def kept_as_it_was(model):
+    """Runs the body, then puts every module's attributes and containers back: what the
+    body created goes, what it rebound or changed comes back. Yields the snapshot, whose
+    ``changed()`` says (before the restore) what the body changed."""
+    snap = Snapshot(model)
+    try:
+        yield snap
+    finally:
+        snap.restore()
