@@ -543,6 +543,38 @@ def test_vmm_mapping_out_of_memory_is_retried_then_an_oom(call):
     assert "out of memory" in out and "CUDA_ERROR" not in out
 
 
+@pytest.mark.parametrize("policy", ["pymemplan-vmm", "pymemplan-planned"])
+def test_two_threads_allocating_at_once_turn_automatic_page_sharing_off(policy):
+    # Page sharing moves live bytes and remaps their page; a kernel another thread launches
+    # meanwhile could write the page as it moves. Two threads inside the allocator at once
+    # show a program where that can happen: automatic sharing goes off, once, with a message.
+    out = run_vmm("""
+        import os, tempfile, time
+        log = tempfile.TemporaryFile()
+        os.dup2(log.fileno(), 2)                      # the plugin's messages go to stderr
+        def said():
+            log.seek(0)
+            return log.read().decode()
+        stop = []
+        def churn():
+            while not stop:
+                free(alloc(4 * MiB))
+        threads = [threading.Thread(target=churn) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while "share_pages" not in said() and time.time() < deadline:
+            time.sleep(0.01)
+        stop.append(1)
+        for t in threads:
+            t.join()
+        print(said())
+        assert stats()["allocated_bytes.all.current"] == 0
+    """, policy=policy)
+    assert out.count("two threads allocate on device 0 at once") == 1, out
+    assert "automatic page sharing (share_pages) is now off" in out
+
+
 def test_torch_expandable_segments_run_over_the_driver():
     # The model of PyTorch's expandable segments through the real driver path: one address
     # range (80 MiB for this 64 MiB device) mapped 20 MiB at a time, in place.

@@ -199,12 +199,17 @@ def test_a_request_that_would_fail_gets_pages_given_back_by_sharing():
 
 
 @pytest.mark.parametrize("policy", ["pymemplan-vmm", "pymemplan-planned"])
-def test_share_pages_off_leaves_pages_alone_until_asked(policy):
-    """share_pages:False, for programs whose other threads launch kernels while one allocates:
-    the OOM ladder fails rather than synchronize, copy and remap; share_pages() on request
-    still pairs."""
+@pytest.mark.parametrize("how", ["config", "stopped"])
+def test_share_pages_off_leaves_pages_alone_until_asked(policy, how):
+    """share_pages:False, or stopped at run time (the plugin does when two threads allocate
+    at once), for programs whose other threads launch kernels while one allocates: the OOM
+    ladder fails rather than synchronize, copy and remap; share_pages() on request still
+    pairs."""
     device = _core.SimulatedDevice(8 * MiB)
-    alloc = _core.Allocator(device, policy, "share_pages:False")
+    alloc = _core.Allocator(device, policy, "share_pages:False" if how == "config" else "")
+    if how == "stopped":
+        assert alloc.stop_automatic_page_sharing() is True
+        assert alloc.stop_automatic_page_sharing() is False
     kept = _half_pages(alloc, 4)
     with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
         alloc.malloc(3 * MiB)

@@ -47,8 +47,10 @@ std::string to_hex(std::uintptr_t addr) {
 // thread made meanwhile (the plugin reads it outside the allocator's lock). Keyed by an id
 // no later allocator reuses, as its address could be.
 std::unordered_map<std::uint64_t, std::string>& thread_errors() {
-  thread_local std::unordered_map<std::uint64_t, std::string> errors;
-  return errors;
+  // Never destroyed: a tensor freed while a thread or the process exits may fail after
+  // thread-locals with destructors are gone (one small map per thread that ever failed).
+  thread_local auto* errors = new std::unordered_map<std::uint64_t, std::string>;
+  return *errors;
 }
 std::atomic<std::uint64_t> next_allocator_id{1};
 }  // namespace
@@ -1449,6 +1451,13 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::holes_afte
     if (lo < hi) out.emplace_back(lo, hi - lo);
   }
   return out;
+}
+
+bool CachingAllocator::stop_automatic_page_sharing() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool was = config_.vmm && config_.share_pages && device_->supports_page_sharing();
+  config_.share_pages = false;
+  return was;
 }
 
 std::size_t CachingAllocator::share_pages() {

@@ -73,6 +73,7 @@ class CachingAllocator : public Allocator {
   // whole again) once either address has no live block left. Needs vmm and a device that
   // supports page sharing; 0 otherwise. share_pages() = share_pages(share_candidates()).
   std::size_t share_pages() override;
+  bool stop_automatic_page_sharing() override;
   // The pairs share_pages() would make now (nothing changes), leaving out pages that a block
   // in use at one of the addresses `leave_out` (sorted) touches: blocks about to be freed,
   // whose pages would only be shared for a while.

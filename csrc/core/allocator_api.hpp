@@ -61,6 +61,9 @@ class Allocator {
   // on the device first (no other thread may enqueue work during the call). Returns the
   // bytes given back; 0 where the allocator or the device cannot share pages.
   virtual std::size_t share_pages() { return 0; }
+  // Turns off page sharing on the allocator's own initiative (the share_pages key; calls of
+  // share_pages() still pair). Returns whether it was on.
+  virtual bool stop_automatic_page_sharing() { return false; }
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

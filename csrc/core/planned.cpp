@@ -1371,6 +1371,12 @@ std::size_t PlannedAllocator::share_pages() {
   return n;
 }
 
+bool PlannedAllocator::stop_automatic_page_sharing() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  config_.pool.share_pages = false;
+  return pool_->stop_automatic_page_sharing();
+}
+
 void PlannedAllocator::mark_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::uint64_t n = base_ + events_.size();

@@ -41,6 +41,10 @@ struct Plugin {
   // loading them must not make a device's allocator early, which retains a CUDA context.
   std::array<std::string, kMaxDevices> staged_plans;
   std::string staged_plans_any;
+  // Allocations and frees in progress per device, and whether two threads were ever seen in
+  // them at once (see InFlight).
+  std::array<std::atomic<int>, kMaxDevices> in_flight{};
+  std::array<std::atomic<bool>, kMaxDevices> threads_overlapped{};
 };
 
 Plugin& plugin() {
@@ -48,7 +52,12 @@ Plugin& plugin() {
   return *p;
 }
 
-thread_local std::string last_error;
+// Never destroyed: frees during thread or process teardown (a tensor held by a thread-local
+// or a static) may fail after thread-locals with destructors are gone.
+std::string& thread_last_error() {
+  thread_local auto* message = new std::string;
+  return *message;
+}
 
 // A graph replays its kernels on the addresses they had when captured, so memory handed out
 // during a capture must stay the graph's; PyTorch gives a pluggable allocator no way to know
@@ -61,7 +70,48 @@ constexpr const char* kCaptureRefused =
     "that process), or compile without CUDA graphs (mode=\"default\" or "
     "\"max-autotune-no-cudagraphs\").";
 
-void set_error(const std::string& message) { last_error = message; }
+void set_error(const std::string& message) { thread_last_error() = message; }
+
+// Page sharing on the allocator's own initiative (the OOM ladder's last step, and
+// pymemplan-planned's arming) copies live tensors' bytes to another physical page and
+// remaps their address. A device synchronize covers the work queued until then, not a
+// kernel another host thread launches meanwhile: that one could write a page as it moves.
+// A plain PyTorch training loop launches a device's work from one thread at a time (the
+// main thread, then autograd's device thread while the main thread waits in backward), so
+// it is safe there. Two threads inside the allocator at once for one device are the sign
+// of a program that is not like that: automatic sharing is turned off for good, once.
+Allocator* existing_allocator(int device);
+
+void threads_overlap(int device) {
+  Plugin& p = plugin();
+  if (p.threads_overlapped[static_cast<std::size_t>(device)].exchange(true)) return;
+  Allocator* a = existing_allocator(device);
+  if (a != nullptr && a->stop_automatic_page_sharing()) {
+    std::fprintf(stderr,
+                 "pymemplan: two threads allocate on device %d at once; automatic page sharing "
+                 "(share_pages) is now off on it, since it moves tensors' bytes and another "
+                 "thread could launch work on them meanwhile. Set share_pages:False to keep "
+                 "this message away.\n",
+                 device);
+  }
+}
+
+// Marks an allocation or free in progress on a device.
+class InFlight {
+ public:
+  explicit InFlight(int device) : device_(device) {
+    if (device_ < 0 || device_ >= kMaxDevices) return;
+    if (plugin().in_flight[static_cast<std::size_t>(device_)].fetch_add(1) > 0) threads_overlap(device_);
+  }
+  ~InFlight() {
+    if (device_ >= 0 && device_ < kMaxDevices) plugin().in_flight[static_cast<std::size_t>(device_)].fetch_sub(1);
+  }
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+
+ private:
+  int device_;
+};
 
 // Splits plugin keys (oom_action) from the policy's keys and validates both.
 PluginConfig parse_plugin_config(const std::string& policy, const std::string& conf) {
@@ -207,6 +257,7 @@ void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
   if (size == 0) return nullptr;  // as PyTorch's own allocator: empty tensors own no memory
   try {
     Allocator& a = allocator_for(device);
+    InFlight in_flight(device);
     if (plugin().devices[static_cast<std::size_t>(device)].load(std::memory_order_acquire)
             ->stream_capturing(reinterpret_cast<StreamId>(stream))) {
       set_error(kCaptureRefused);
@@ -228,16 +279,20 @@ void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
   if (p == nullptr && size != 0 && plugin().raise_on_oom.load(std::memory_order_relaxed)) {
     // Deliberately the one exception that leaves this library: PyTorch would otherwise wrap
     // NULL in a tensor without an error. Its Python bindings turn this into a RuntimeError.
-    throw std::runtime_error(last_error);
+    throw std::runtime_error(thread_last_error());
   }
   return p;
 }
 
 void pymemplan_free(void* ptr, ssize_t, int device, pymemplan_stream_t) {
   if (ptr == nullptr) return;
-  if (guarded([&] { allocator_for(device).free(ptr); }) != 0) {
+  if (guarded([&] {
+        Allocator& a = allocator_for(device);
+        InFlight in_flight(device);
+        a.free(ptr);
+      }) != 0) {
     // Nobody can receive an error from a deleter; say it where a user will see it.
-    std::fprintf(stderr, "pymemplan: %s\n", last_error.c_str());
+    std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
   }
 }
 
@@ -247,7 +302,7 @@ void pymemplan_reset(void) { pymemplan_empty_cache(-1); }
 
 void pymemplan_memory_fraction(double fraction, int device) {
   if (guarded([&] { allocator_for(device).set_memory_fraction(fraction); }) != 0) {
-    std::fprintf(stderr, "pymemplan: %s\n", last_error.c_str());
+    std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
   }
 }
 
@@ -262,7 +317,7 @@ void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream) {
     }
     throw AllocatorError("record_stream: pointer was not allocated by pymemplan");
   });
-  if (rc != 0) std::fprintf(stderr, "pymemplan: %s\n", last_error.c_str());
+  if (rc != 0) std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
 }
 
 int pymemplan_configure(const char* policy, const char* config) {
@@ -392,7 +447,7 @@ int pymemplan_stage_plans(int device, const char* text) {
   });
 }
 
-const char* pymemplan_last_error(void) { return last_error.c_str(); }
+const char* pymemplan_last_error(void) { return thread_last_error().c_str(); }
 
 int pymemplan_device_count(void) {
   int count = -1;

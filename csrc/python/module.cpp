@@ -189,6 +189,9 @@ PYBIND11_MODULE(_core, m) {
       .def("share_pages", &Allocator::share_pages, py::call_guard<py::gil_scoped_release>(),
            "Give back pages that blocks in use only partly fill, by mapping two such pages "
            "onto one where their live bytes lie at disjoint offsets; returns the bytes given back.")
+      .def("stop_automatic_page_sharing", &Allocator::stop_automatic_page_sharing,
+           "Turn off page sharing on the allocator's own initiative (as share_pages:False); "
+           "returns whether it was on. The plugin calls it when two threads allocate at once.")
       .def("set_memory_limit", &Allocator::set_memory_limit, py::arg("bytes"))
       .def("set_memory_fraction", &Allocator::set_memory_fraction, py::arg("fraction"))
       .def_property_readonly("memory_limit", &Allocator::memory_limit)
