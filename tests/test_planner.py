@@ -703,3 +703,19 @@ def test_a_tensor_the_loss_closes_over_is_counted_once_for_the_whole_step():
     assert captured[0].freed_before is None  # alive to the end of the step
     # measure_step sees only what the step allocates, plus the model's state and inputs.
     assert t.peak_bytes == measure_step(model, (x,), loss_fn=loss).peak_bytes + big.nbytes
+
+
+def test_a_kernel_whose_scratch_depends_on_values_is_not_predicted_below_the_step():
+    # The matrix exponential (orthogonal parametrization) picks its degree from the input's
+    # norm; on zeros it takes its cheapest, far below what real weights need.
+    from torch.nn.utils.parametrizations import orthogonal
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(orthogonal(nn.Linear(256, 256))), torch.randn(8, 256)
+
+    def loss(o):
+        return o.pow(2).mean()
+
+    predicted = pymemplan.trace(model, (x,), loss_fn=loss, device="cpu").peak_bytes
+    measured = measure_step(model, (x,), loss_fn=loss).peak_bytes
+    assert measured <= predicted <= 1.3 * measured
