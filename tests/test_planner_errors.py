@@ -192,3 +192,10 @@ def test_advise_gives_a_row_to_an_optimizer_that_cannot_run_and_goes_on(tmp_path
     assert json.loads(advice.to_json())["rows"]
     advice.to_html(tmp_path / "plan.html")
     assert "optimizer adafactor" in (tmp_path / "plan.html").read_text()
+
+
+def test_sparse_gradients_are_a_clear_error():
+    model = nn.EmbeddingBag(1000, 16, mode="sum", sparse=True)
+    ids = torch.randint(0, 1000, (8, 4))
+    with pytest.raises(UntraceableError, match=r"does not model sparse tensors yet .*sparse=False"):
+        pymemplan.trace(model, (ids,), loss_fn=lambda o: o.sum(), device="cpu")

@@ -284,6 +284,7 @@ class _Recorder:
             self._settle_sum()
 
         flat_in = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        _refuse_sparse(func, flat_in)
         for a in flat_in:
             if not is_fake(a) and a.device.type != "meta":
                 # A real tensor the model or loss closes over (e.g. targets): FakeTensorMode
@@ -315,6 +316,7 @@ class _Recorder:
         if func in _batch_norm_ops():
             out = _mixed_batch_norm_stats(args, out)
 
+        _refuse_sparse(func, [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)])
         on_host = bool(in_keys) and all(k in self.host for k in in_keys)
         used = []
         new_bytes = 0
@@ -370,6 +372,19 @@ class _Recorder:
         if self.progress is not None and index % 500 == 0:
             self.progress(self.phase, index)
         return out
+
+
+def _refuse_sparse(func, tensors) -> None:
+    import torch
+
+    for t in tensors:
+        if t.layout != torch.strided:
+            raise UntraceableError(
+                f"op {func} makes or reads a {str(t.layout).replace('torch.', '')} tensor of "
+                f"shape {tuple(t.shape)}: the planner does not model sparse tensors yet (a "
+                "sparse gradient of nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)). "
+                "Trace the model with sparse=False for an upper bound: a dense gradient is the "
+                "size of the weight, a sparse one that of the rows the batch looked up.")
 
 
 @functools.lru_cache(maxsize=None)
