@@ -381,9 +381,13 @@ def test_modules_with_python_state_or_their_own_generator_are_never_checkpointed
     p = t.checkpoint_problem(model, (x,))
     units = {c.module for c in p.candidates}
     assert "3" in units and not units & {"0", "1", "2", ""}
-    what = "a random generator of its own" if generator else "its attribute 'calls'"
+    what = "the state of a random generator of its own" if generator else "its attribute 'calls'"
     assert f"the forward of '0' changes {what}" in p.skipped["0"]
     assert [m.calls for m in model[:3]] == [0, 0, 0]
+    # A budget only those blocks could meet says why they were left out.
+    with pytest.raises(pymemplan.planner.checkpoint.BudgetTooSmallError,
+                       match=f"module\\(s\\) were no candidates: '0': the forward of '0' changes"):
+        t.plan(int(t.peak_bytes * 0.5), model=model, inputs=(x,))
 
 
 def test_module_keywords_named_as_checkpoint_options_reach_the_module():

@@ -132,7 +132,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             if stack and (kwargs or {}).get("generator") is not None:
                 # A generator of its own: checkpoint restores only the default one's
                 # state, so the recompute would draw other numbers.
-                changed_state.setdefault(stack[-1], "a random generator of its own")
+                changed_state.setdefault(stack[-1], "the state of a random generator of its own")
             heavy = is_compute_bound(str(func))
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):

@@ -160,13 +160,23 @@ def _too_small(p: CheckpointProblem, budget: int) -> BudgetTooSmallError:
                      f"be containers ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}) "
                      "were no candidates. Pass model= and inputs= (the ones traced) to "
                      "plan them too." if unknown else "")
+    # Modules that could have saved memory but are no candidates: the user may change that
+    # (a module called twice, a forward that changes state, an inplace activation).
+    left_out = [(m, why) for m, why in sorted(p.skipped.items())
+                if not any(s in why for s in ("saves (almost) nothing", "no forward of its own",
+                                              "plan with the model", "no backward ops"))]
+    not_candidates = (f" {len(left_out)} module(s) were no candidates: "
+                      + "; ".join(f"'{m}': {why}" for m, why in left_out[:3])
+                      + ("; ..." if len(left_out) > 3 else "")
+                      + " (all of them: checkpoint_problem(...).skipped)." if left_out else "")
     return BudgetTooSmallError(
         f"no checkpoint plan fits {format_bytes(budget)}: the least achievable peak is "
         f"{format_bytes(least)} (in the {phase} pass, at op {i}), dominated by "
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in top)
         + f"; {format_bytes(fixed)} of it is parameters, gradients, optimizer state and "
         f"inputs, which checkpointing cannot remove. Options: raise the budget to at "
-        f"least {format_bytes(least)}, or use " + "; ".join(hints) + "." + without_model,
+        f"least {format_bytes(least)}, or use " + "; ".join(hints) + "." + without_model
+        + not_candidates,
         least, bd)
 
 

@@ -294,9 +294,10 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
             continue
         changes = _changes_state(path, mutated_state)
         if changes:
-            what = mutated_state[changes] if isinstance(mutated_state, dict) else "its buffers"
-            skipped[path] = (f"the forward of '{changes}' changes {what} (spectral norm, an "
-                             f"observer, a counter?): a recompute would not compute the same")
+            what = (mutated_state[changes] if isinstance(mutated_state, dict)
+                    else "its buffers (spectral norm, an observer, a counter?)")
+            skipped[path] = (f"the forward of '{changes}' changes {what}: a recompute would "
+                             f"not compute the same")
             continue
         if f1 - f0 + 1 != len(idx):
             # Called more than once, or interleaved with other code: one checkpoint per
