@@ -73,6 +73,17 @@ def test_a_model_file_that_fails_says_where_in_it(tmp_path, capsys, body, messag
     assert message.format(f=f) in capsys.readouterr().err
 
 
+def test_a_batch_the_model_file_cannot_take_is_an_error_not_ignored(tmp_path, capsys):
+    # Figures for the file's own batch, printed for --batch 32, would be read as the answer.
+    f = tmp_path / "model.py"
+    f.write_text("import torch\n"
+                 "def build():\n"
+                 "    return torch.nn.Linear(4, 4), (torch.randn(8, 4),)\n")
+    assert main(["trace", f"{f}:build", "--device", "cpu", "--batch", "32"]) == 2
+    err = capsys.readouterr().err
+    assert f"--batch 32 cannot reach {f}:build(), which takes no batch= argument" in err
+
+
 def test_import_pymemplan_does_not_import_torch():
     code = ("import sys, pymemplan, pymemplan.cli; "
             "assert 'torch' not in sys.modules; "

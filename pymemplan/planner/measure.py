@@ -100,6 +100,12 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     step = step_fn(model, inputs, loss_fn, opt, autocast, scaler)
     if opt is not None:
         step()
+        # GradScaler skips a step whose gradients overflowed (its first, at a scale of 65536,
+        # often does): the optimizer then has no state yet, and the measured step would make it.
+        for _ in range(32):
+            if scaler is None or opt.state:
+                break
+            step()
     model.zero_grad(set_to_none=True)
     grads = []
     if grads_present:

@@ -189,6 +189,14 @@ def load_workload(spec: str, *, batch: int | None = None, seq_len: int | None = 
                          f"model, inputs")
     params = inspect.signature(factory).parameters
     accepts_all = any(q.kind == q.VAR_KEYWORD for q in params.values())
+    ignored = [k for k in kwargs if not accepts_all and k not in params]
+    if ignored:
+        # A figure for another batch than the one asked for would be read as the answer.
+        flags = ", ".join(f"--{k.replace('_', '-')} {kwargs[k]}" for k in ignored)
+        raise ValueError(f"{flags} cannot reach {path}:{fname}(), which takes no "
+                         f"{', '.join(k + '=' for k in ignored)} argument: add it to "
+                         f"def {fname}(...) and build the inputs with it, or leave the "
+                         "option out")
     try:
         out = factory(**{k: v for k, v in kwargs.items() if accepts_all or k in params})
     except Exception as e:

@@ -54,6 +54,9 @@ _OPTIMIZER_CODE = {
 }
 
 
+# The largest batch searched for (a batch that fits there is reported as the limit).
+BATCH_SEARCH_LIMIT = 1 << 20
+
 def _optimizer_factory(name: str):
     import torch
 
@@ -348,8 +351,8 @@ class _Advisor:
         if self.make_inputs is not None:
             out = self.make_inputs(batch)
             return out if isinstance(out, tuple) else (out,)
-        if batch == self.batch0:
-            return self.inputs
+        if batch == self.batch0 or (self.batch0 is None and batch == 0):
+            return self.inputs  # 0: the base configuration of inputs without a batch
         if self.batch0 is None:
             raise PlannerError(
                 "cannot change the batch size: no input tensor has a batch dimension; pass "
@@ -414,6 +417,12 @@ class _Advisor:
         if cfg not in self._measured:
             t = self.trace(cfg)
             peak = t.peak_bytes
+            if cfg.checkpoint:
+                from ..planner.checkpoint.problem import checkpoint_rng_bytes
+
+                # The RNG state each checkpointed unit saves outside the dispatcher (CPU
+                # target), held to its backward: at the peak at most, as verification counts.
+                peak += checkpoint_rng_bytes(self.device) * len(cfg.checkpoint)
             reserved = None
             if self.device == "cuda":
                 cap = max(4 * peak, 1 << 30)
@@ -431,7 +440,7 @@ class _Advisor:
         phases = step_seconds(t)
         fwd_bwd = phases.get("forward", 0.0) + phases.get("backward", 0.0)
         opt = phases.get("optimizer", 0.0)
-        samples = cfg.batch * cfg.accumulation
+        samples = (cfg.batch or 1) * cfg.accumulation  # batch 0: inputs without one, per step
         # The optimizer step runs once per accumulated batch.
         return (cfg.accumulation * fwd_bwd + opt) / samples
 
@@ -447,7 +456,7 @@ class _Advisor:
                    code=code, notes=notes, breakdown=t.breakdown(), extra=extra, trace=t)
 
     # -- searches ------------------------------------------------------------------------
-    def largest_batch(self, cfg: Config, limit: int = 1 << 20, metric=None) -> int:
+    def largest_batch(self, cfg: Config, limit: int = BATCH_SEARCH_LIMIT, metric=None) -> int:
         """The largest batch at which ``cfg`` fits (0: not even 1).
 
         Activation memory is affine in the batch for most models: interpolate the fit
@@ -710,6 +719,9 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
                    device=device, policy=policy, make_inputs=make_inputs,
                    world_size=world_size, trace_kwargs=trace_kwargs, progress=progress,
                    make_loss_fn=make_loss_fn)
+    if adv.batch0 == 0:
+        raise PlannerError("the inputs' batch is empty (dim 0 of the first input tensor is 0): "
+                           "pass inputs of at least one sample")
     if adv.batch0 is None:
         chosen = tuple(x for x in chosen if x not in ("batch", "accumulation"))
     adv.chosen = chosen

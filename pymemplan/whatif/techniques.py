@@ -11,8 +11,9 @@ from dataclasses import replace
 from ..planner.graph import ACTIVATION, CATEGORIES, GRADIENT, OPTIMIZER_STATE
 from ..planner.errors import PlannerError
 from ..units import format_bytes
-from .advise import (_ALLOCATORS, _OPTIMIZER_CODE, Config, Row, _accumulation_config, _Advisor,
-                     _code_autocast, _optimizer_factory, checkpoint_key, combined_code)
+from .advise import (BATCH_SEARCH_LIMIT, _ALLOCATORS, _OPTIMIZER_CODE, Config, Row,
+                     _accumulation_config, _Advisor, _code_autocast, _optimizer_factory,
+                     checkpoint_key, combined_code)
 
 
 def _diff(a: dict, b: dict) -> str:
@@ -83,8 +84,14 @@ def batch(adv: _Advisor, target_batch) -> list:
             p1, r1, _ = adv.measure(replace(cfg, batch=b + 1))
             above = r1 if r1 is not None else p1
         code = combined_code(c, adv.base, adv.capacity, adv.world_size, adv.model, adv.device)
-        notes = (f"batch {b + 1} does not fit, even checkpointed" if ckpt else
-                 f"batch {b + 1} needs {format_bytes(above)}")
+        if b >= BATCH_SEARCH_LIMIT:
+            # The search stops there: memory that barely grows with the batch (a factory
+            # that builds the same inputs whatever batch= says?) fits any batch.
+            notes = (f"the search's limit: batch {b:,} still fits, and memory barely grows "
+                     "with the batch (do the inputs follow batch=?)")
+        else:
+            notes = (f"batch {b + 1} does not fit, even checkpointed" if ckpt else
+                     f"batch {b + 1} needs {format_bytes(above)}")
         rows.append(adv.row("batch", label, c, code, largest_batch=b, notes=notes))
     return rows
 
