@@ -340,3 +340,45 @@ def test_sharding_rows_are_per_rank_traces(net):
     assert rows["zero3"].peak_bytes < a.baseline.peak_bytes < rows["ddp"].peak_bytes
     assert "torchrun --nproc_per_node=2" in rows["fsdp"].code
     assert rows["ddp"].extra["communication_bytes"]
+
+
+def _bn_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 4))
+
+
+def test_batch_searches_step_over_a_batch_the_model_cannot_run():
+    # BatchNorm in training refuses a batch of 1: the searches go on above it, and answer a
+    # batch the model runs, or say that none fits and why.
+    model, x = _bn_mlp(), torch.randn(32, 64)
+
+    def peak(b):
+        return pymemplan.trace(model, (x[:b],), loss_fn=lambda o: o.pow(2).mean(),
+                               optimizer=torch.optim.AdamW, device="cpu").peak_bytes
+
+    cap = (peak(4) + peak(5)) // 2
+    a = pymemplan.advise(model, (x,), capacity=cap, loss_fn=lambda o: o.pow(2).mean(),
+                         device="cpu", techniques=["batch", "accumulation"])
+    assert a.row("largest batch").extra["largest_batch"] == 4
+    assert a.row("accumulate to 32").fits
+    low = pymemplan.advise(model, (x,), capacity=peak(2) - 1, loss_fn=lambda o: o.pow(2).mean(),
+                           device="cpu", techniques=["batch"])
+    assert not low.row("largest batch").fits
+    assert "a batch of 1 cannot run" in low.row("largest batch").notes
+
+
+def test_inputs_without_a_batch_dimension_get_the_rows_that_do_not_need_one():
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+
+        def forward(self, n):
+            return self.lin(torch.ones(n, 16))
+
+    a = pymemplan.advise(Counted(), (8,), capacity="1GiB", loss_fn=lambda o: o.sum(),
+                         device="cpu", techniques=["precision"])
+    assert a.baseline.fits and a.row("autocast bf16").peak_bytes > 0
+    with pytest.raises(PlannerError, match="batch is empty"):
+        pymemplan.advise(_bn_mlp(), (torch.randn(0, 64),), capacity="1GiB", device="cpu",
+                         loss_fn=lambda o: o.sum(), techniques=["precision"])

@@ -341,6 +341,9 @@ class _Advisor:
         self.batch0 = detect_batch(self.inputs)
         self._traces: dict[Config, Any] = {}
         self._measured: dict[Config, tuple] = {}
+        # Batches below the inputs' own that the model cannot run (BatchNorm in training
+        # refuses a batch of 1): why, by batch. The searches never answer one of them.
+        self.cannot_run: dict[int, str] = {}
 
     # -- tracing -------------------------------------------------------------------------
     def _say(self, what: str) -> None:
@@ -467,7 +470,15 @@ class _Advisor:
         reserved peak on CUDA, the live peak on CPU)."""
         if metric is None:
             def metric(b: int) -> int:
-                peak, reserved, _ = self.measure(replace(cfg, batch=b))
+                try:
+                    peak, reserved, _ = self.measure(replace(cfg, batch=b))
+                except PlannerError as e:
+                    if b >= (self.batch0 or 0):
+                        raise
+                    # Taken as fitting, so that the search goes on to the batches above
+                    # it (memory grows with the batch); the answer is never such a batch.
+                    self.cannot_run[b] = str(e)
+                    return 0
                 return reserved if reserved is not None else peak
 
         seen: dict[int, int] = {}
@@ -481,7 +492,7 @@ class _Advisor:
             else:
                 hi = b if hi is None else min(hi, b)
             if hi is not None and hi - lo <= 1:
-                return lo
+                return 0 if lo in self.cannot_run else lo
             if lo >= limit:
                 return lo
             b = self._next_batch(seen, lo, hi, limit)

@@ -57,6 +57,14 @@ def precision(adv: _Advisor, target_batch) -> list:
     return rows
 
 
+def _none_fits(adv: _Advisor, what: str = "batch") -> str:
+    if 1 not in adv.cannot_run:
+        return f"not even {'a batch' if what == 'batch' else what} of 1 fit" + \
+            ("s" if what == "batch" else "")
+    return (f"no {what} that the model can run fits: a batch of 1 cannot run "
+            f"({adv.cannot_run[1].splitlines()[0][:160]})")
+
+
 def batch(adv: _Advisor, target_batch) -> list:
     rows = []
     variants = [(None, False), ("bf16", False)]
@@ -72,8 +80,9 @@ def batch(adv: _Advisor, target_batch) -> list:
         else:
             b = adv.largest_batch(cfg)
         if b == 0:
-            r = adv.row("batch", label, replace(cfg, batch=1), "",
-                        notes="not even a batch of 1 fits")
+            r = adv.row("batch", label, replace(cfg, batch=1 if 1 not in adv.cannot_run
+                                                else adv.base.batch), "",
+                        notes=_none_fits(adv))
             r.fits = False
             rows.append(r)
             continue
@@ -104,8 +113,10 @@ def accumulation(adv: _Advisor, target_batch) -> list:
         c = _accumulation_config(adv, cfg, target)
         label = f"accumulate to {target}" + (f" (autocast {ac})" if ac else "")
         if c is None:
-            r = adv.row("accumulation", label, replace(cfg, batch=1, accumulation=max(target, 2)),
-                        "", notes="not even micro-batches of 1 fit")
+            micro = 1 if 1 not in adv.cannot_run else adv.base.batch
+            r = adv.row("accumulation", label,
+                        replace(cfg, batch=micro, accumulation=max(target // micro, 2)),
+                        "", notes=_none_fits(adv, "micro-batches"))
             r.fits = False
         else:
             t = adv.trace(c)
