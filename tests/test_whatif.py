@@ -382,3 +382,21 @@ def test_inputs_without_a_batch_dimension_get_the_rows_that_do_not_need_one():
     with pytest.raises(PlannerError, match="batch is empty"):
         pymemplan.advise(_bn_mlp(), (torch.randn(0, 64),), capacity="1GiB", device="cpu",
                          loss_fn=lambda o: o.sum(), techniques=["precision"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capacity=float("inf")), "capacity=inf is not a size"),
+    (dict(target_batch=True), "target_batch must be a positive integer, got True"),
+    (dict(model=lambda x: x), "model must be a torch.nn.Module, got function"),
+])
+def test_advise_arguments_that_make_no_sense_are_clear_errors(kwargs, message):
+    args = dict(model=nn.Linear(4, 4), capacity="1GiB") | kwargs
+    with pytest.raises(PlannerError, match=re.escape(message)):
+        pymemplan.advise(args.pop("model"), (torch.randn(2, 4),), loss_fn=lambda o: o.sum(),
+                         device="cpu", **args)
+
+
+def test_one_technique_may_be_named_by_itself():
+    a = pymemplan.advise(nn.Linear(4, 4), (torch.randn(2, 4),), capacity="1GiB",
+                         loss_fn=lambda o: o.sum(), device="cpu", techniques="precision")
+    assert {r.technique for r in a.rows} == {"baseline", "precision", "best"}

@@ -694,16 +694,19 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
     import torch
 
     t0 = time.perf_counter()
+    if not isinstance(model, torch.nn.Module):
+        raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     try:
         cap = parse_bytes(capacity)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise PlannerError(f"capacity={capacity!r} is not a size: {e}") from None
     if cap <= 0:
         raise PlannerError(f"capacity must be positive, got {capacity!r}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise PlannerError(f"world_size must be a whole number of GPUs, at least 1; got "
                            f"{world_size!r}")
-    chosen = TECHNIQUES if techniques is None else tuple(techniques)
+    chosen = (TECHNIQUES if techniques is None else
+              (techniques,) if isinstance(techniques, str) else tuple(techniques))
     unknown = [x for x in chosen if x not in TECHNIQUES]
     if unknown:
         raise PlannerError(f"unknown technique(s) {', '.join(map(repr, unknown))}; choose "
@@ -713,7 +716,8 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
     if "autocast" in trace_kwargs:
         raise PlannerError("advise() compares autocast itself (the precision rows); trace "
                            "the step without passing autocast=")
-    if target_batch is not None and (not isinstance(target_batch, int) or target_batch < 1):
+    if target_batch is not None and (not isinstance(target_batch, int)
+                                     or isinstance(target_batch, bool) or target_batch < 1):
         raise PlannerError(f"target_batch must be a positive integer, got {target_batch!r}")
     if optimizer is None:
         optimizer = torch.optim.AdamW

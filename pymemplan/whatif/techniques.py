@@ -121,7 +121,12 @@ def accumulation(adv: _Advisor, target_batch) -> list:
         else:
             t = adv.trace(c)
             code = combined_code(c, adv.base, adv.capacity, adv.world_size, adv.model, adv.device)
-            notes = (f"micro-batch {c.batch} x {c.accumulation} steps; the accumulated "
+            samples = c.batch * c.accumulation
+            # No divisor of the target fits well (a prime target): the step takes more.
+            over = (f" ({samples} samples a step: no micro-batch that fits divides {target}; "
+                    f"micro-batches of 1 x {target} would be exact)"
+                    if samples != target else "")
+            notes = (f"micro-batch {c.batch} x {c.accumulation} steps{over}; the accumulated "
                      f"gradients ({format_bytes(_grad_bytes(t))}) stay allocated through "
                      f"every micro-step") if c.accumulation > 1 else \
                 f"the whole batch of {target} fits: no accumulation needed"
