@@ -158,9 +158,12 @@ Allocator& allocator_for(int device) {
   a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
   if (a == nullptr) {
     auto cuda = std::make_shared<CudaDevice>(device);
-    p.devices[static_cast<std::size_t>(device)].store(cuda.get(), std::memory_order_release);
+    CudaDevice* dev = cuda.get();
     a = make_allocator(std::move(cuda), p.config.policy, p.config.config)
             .release();  // owned by the plugin until exit, and its device with it
+    // Published once the allocator exists: a failed creation leaves no pointer to a device
+    // that is gone.
+    p.devices[static_cast<std::size_t>(device)].store(dev, std::memory_order_release);
     const std::string& staged = p.staged_plans[static_cast<std::size_t>(device)];
     const std::string& text = staged.empty() ? p.staged_plans_any : staged;
     if (auto* planned = dynamic_cast<PlannedAllocator*>(a); planned != nullptr && !text.empty()) {
