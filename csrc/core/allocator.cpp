@@ -102,6 +102,13 @@ CachingAllocator::~CachingAllocator() {
   } catch (...) {
     // A destructor cannot report; the device is being torn down anyway.
   }
+  // Each share is listed under both its pages: found by its kept side, while the segments
+  // it points to still exist (read after they were deleted, a share could be deleted twice).
+  std::vector<Share*> shares;
+  for (auto& [addr, sh] : shares_) {
+    if (sh->seg[0]->addr + sh->index[0] * device_->granularity() == addr) shares.push_back(sh);
+  }
+  for (Share* sh : shares) delete sh;
   for (auto& [addr, seg] : segments_) {
     for (Block* b = seg->head; b != nullptr;) {
       Block* next = b->next;
@@ -111,11 +118,6 @@ CachingAllocator::~CachingAllocator() {
     delete seg;
   }
   for (Block* b : block_pool_) delete b;
-  std::vector<Share*> shares;
-  for (auto& [addr, sh] : shares_) {
-    if (sh->seg[0]->addr + sh->index[0] * device_->granularity() == addr) shares.push_back(sh);
-  }
-  for (Share* sh : shares) delete sh;
 }
 
 // ---------------------------------------------------------------------------------------------
