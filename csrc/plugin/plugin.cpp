@@ -41,8 +41,8 @@ struct Plugin {
   // loading them must not make a device's allocator early, which retains a CUDA context.
   std::array<std::string, kMaxDevices> staged_plans;
   std::string staged_plans_any;
-  // Allocations and frees in progress per device, and whether two threads were ever seen in
-  // them at once (see InFlight).
+  // Allocations in progress per device, and whether two threads were ever seen in them at
+  // once (see InFlight).
   std::array<std::atomic<int>, kMaxDevices> in_flight{};
   std::array<std::atomic<bool>, kMaxDevices> threads_overlapped{};
 };
@@ -78,8 +78,10 @@ void set_error(const std::string& message) { thread_last_error() = message; }
 // kernel another host thread launches meanwhile: that one could write a page as it moves.
 // A plain PyTorch training loop launches a device's work from one thread at a time (the
 // main thread, then autograd's device thread while the main thread waits in backward), so
-// it is safe there. Two threads inside the allocator at once for one device are the sign
-// of a program that is not like that: automatic sharing is turned off for good, once.
+// it is safe there. Two threads allocating at once on one device are the sign of a program
+// that is not like that: automatic sharing is turned off for good, once. Frees do not
+// count: a thread that only frees (NCCL's watchdog releasing the tensors a collective kept)
+// launches no work.
 Allocator* existing_allocator(int device);
 
 void threads_overlap(int device) {
@@ -96,7 +98,7 @@ void threads_overlap(int device) {
   }
 }
 
-// Marks an allocation or free in progress on a device.
+// Marks an allocation in progress on a device.
 class InFlight {
  public:
   explicit InFlight(int device) : device_(device) {
@@ -289,11 +291,7 @@ void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
 
 void pymemplan_free(void* ptr, ssize_t, int device, pymemplan_stream_t) {
   if (ptr == nullptr) return;
-  if (guarded([&] {
-        Allocator& a = allocator_for(device);
-        InFlight in_flight(device);
-        a.free(ptr);
-      }) != 0) {
+  if (guarded([&] { allocator_for(device).free(ptr); }) != 0) {
     // Nobody can receive an error from a deleter; say it where a user will see it.
     std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
   }
