@@ -400,3 +400,37 @@ def test_one_technique_may_be_named_by_itself():
     a = pymemplan.advise(nn.Linear(4, 4), (torch.randn(2, 4),), capacity="1GiB",
                          loss_fn=lambda o: o.sum(), device="cpu", techniques="precision")
     assert {r.technique for r in a.rows} == {"baseline", "precision", "best"}
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.c2, self.b2 = nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64)
+        self.c3, self.fc = nn.Conv2d(64, 64, 3, padding=1), nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.relu(self.b2(self.c2(x)))
+        return self.fc(torch.relu(self.c3(x)).mean((2, 3)))
+
+
+def test_largest_batch_holds_where_reserved_memory_falls_as_the_batch_grows():
+    # The allocator's segment sizes make this step reserve 26 MiB at batches 5-8 under bf16
+    # and 22 MiB at 9-13: a bracket on reserved memory stopped at 4. The live peak grows
+    # with the batch and reserved memory holds it, so nothing above the live answer fits.
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model, x = _SmallCNN(), torch.empty(16, 3, 64, 64)
+    cap = 23 << 20
+    a = pymemplan.advise(model, (x,), capacity=cap, loss_fn=lambda o: o.float().mean(),
+                         device="cuda", techniques=["batch"])
+    best = a.row("largest batch (autocast bf16)").extra["largest_batch"]
+
+    def reserved(b):
+        return pymemplan.trace(model, (x[:b],), loss_fn=lambda o: o.float().mean(),
+                               optimizer=torch.optim.AdamW, device="cuda",
+                               autocast=torch.bfloat16).reserved_peak("torch", capacity=1 << 30)
+
+    assert reserved(best) <= cap and reserved(best + 1) > cap
+    assert best >= 9 and reserved(5) > cap  # a batch below the answer does not fit

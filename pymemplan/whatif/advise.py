@@ -467,20 +467,40 @@ class _Advisor:
         (largest that fits, smallest that does not) until they are adjacent, so the
         answer is confirmed by traces at the answer and at answer + 1, whatever the shape
         of the curve. ``metric(batch)``: what must stay within the capacity (default: the
-        reserved peak on CUDA, the live peak on CPU)."""
-        if metric is None:
-            def metric(b: int) -> int:
-                try:
-                    peak, reserved, _ = self.measure(replace(cfg, batch=b))
-                except PlannerError as e:
-                    if b >= (self.batch0 or 0):
-                        raise
-                    # Taken as fitting, so that the search goes on to the batches above
-                    # it (memory grows with the batch); the answer is never such a batch.
-                    self.cannot_run[b] = str(e)
-                    return 0
-                return reserved if reserved is not None else peak
+        reserved peak on CUDA, the live peak on CPU).
 
+        Reserved memory does not always grow with the batch: the allocator's segment sizes
+        make it rise and fall (a small CNN reserved 26 MiB at batches 5-8 and 22 MiB at
+        9-13). The live peak does grow, and what is reserved holds it, so on CUDA the
+        bracket is found on the live peak first: no batch above its answer can fit. Below
+        it, batches are tried downwards (16 at most, then the bracket again below them)."""
+        def measured(b: int, reserved_too: bool) -> int:
+            try:
+                if reserved_too:
+                    peak, reserved, _ = self.measure(replace(cfg, batch=b))
+                else:
+                    peak, reserved = self.trace(replace(cfg, batch=b)).peak_bytes, None
+            except PlannerError as e:
+                if b >= (self.batch0 or 0):
+                    raise
+                # Taken as fitting, so that the search goes on to the batches above it
+                # (memory grows with the batch); the answer is never such a batch.
+                self.cannot_run[b] = str(e)
+                return 0
+            return reserved if reserved is not None else peak
+
+        if metric is not None or self.device != "cuda":
+            return self._bracket(cfg, metric or (lambda b: measured(b, True)), limit)
+        top = self._bracket(cfg, lambda b: measured(b, False), limit)
+        for b in range(top, max(top - 16, 0), -1):
+            if b not in self.cannot_run and measured(b, True) <= self.capacity:
+                return b
+        if top <= 16:
+            return 0
+        return self._bracket(replace(cfg, batch=min(cfg.batch, top - 16)),
+                             lambda b: measured(b, True), top - 16)
+
+    def _bracket(self, cfg: Config, metric, limit: int) -> int:
         seen: dict[int, int] = {}
         lo, hi = 0, None
         b = max(1, cfg.batch)
