@@ -374,6 +374,16 @@ class _Recorder:
         return out
 
 
+def real_storages(values) -> set[int]:
+    """Storage keys of the real (not meta, not sparse) tensors among ``values``: what a
+    recorder counts already when a closure reads them (_Recorder.known_real)."""
+    import torch
+
+    return {_storage_key(t) for t in values
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            and t.layout == torch.strided}
+
+
 def _refuse_sparse(func, tensors) -> None:
     import torch
 
@@ -976,10 +986,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
             scaler = _ScalerState() if grad_scaler else None
 
         # What exists when the step starts.
-        rec.known_real = {_storage_key(t) for t in (*model.parameters(), *model.buffers(),
-                                                    *pytree.tree_leaves(tuple(inputs)))
-                          if isinstance(t, torch.Tensor) and t.device.type != "meta"
-                          and t.layout == torch.strided}
+        rec.known_real = real_storages((*model.parameters(), *model.buffers(),
+                                        *pytree.tree_leaves(tuple(inputs))))
         for p in model.parameters():
             rec.register(fake_of[id(p)], PARAMETER, names[id(p)])
             rec.param_module[id(fake_of[id(p)])] = names[id(p)].rpartition(".")[0]

@@ -693,7 +693,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
 
     from ..planner.capture import (_backward, _check_loss, _describe_inputs, _fake_like,
                                    _first_step_events, _function_mode, _to_loss, _untraceable,
-                                   backward_phase, begin_first_step, finish_recording)
+                                   backward_phase, begin_first_step, finish_recording,
+                                   real_storages)
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
@@ -794,6 +795,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                     # step holds full-size temporaries that later steps do not, not yet
                     # understood, so the state is made before the run there.
                     first = state.first_rec = _recorder_class()(profile, fake_mode, None)
+                    first.known_real = real_storages(pytree.tree_leaves(tuple(inputs)))
                     first.nonzero_density = nonzero_density
                     begin_first_step(first, inner, params, local=_local)
                     state.rec = first
@@ -829,9 +831,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         probes = ProbeSet(probe_limit) if probe_limit > 0 else None
         rec = _recorder_class()(profile, fake_mode, progress, probes)
         # A loss_fn over the real inputs reads tensors registered already (their copies).
-        rec.known_real = {t.untyped_storage()._cdata for t in pytree.tree_leaves(tuple(inputs))
-                          if isinstance(t, torch.Tensor) and t.device.type != "meta"
-                          and t.layout == torch.strided}
+        rec.known_real = real_storages(pytree.tree_leaves(tuple(inputs)))
         rec.nonzero_density = nonzero_density
         stack.callback(rec.close)
         fsdp = _fsdp_params(fmodel) if strategy in ("zero2", "zero3", "fsdp") else []

@@ -59,8 +59,8 @@ def precision(adv: _Advisor, target_batch) -> list:
 
 def _none_fits(adv: _Advisor, what: str = "batch") -> str:
     if 1 not in adv.cannot_run:
-        return f"not even {'a batch' if what == 'batch' else what} of 1 fit" + \
-            ("s" if what == "batch" else "")
+        return "not even a batch of 1 fits" if what == "batch" else \
+            "not even micro-batches of 1 fit"
     return (f"no {what} that the model can run fits: a batch of 1 cannot run "
             f"({adv.cannot_run[1].splitlines()[0][:160]})")
 

@@ -152,7 +152,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             return overrides.get(func, func)(*args, **(kwargs or {}))
 
     from ..library_shims import eager_paths
-    from ..module_state import kept_as_it_was
+    from ..module_state import Snapshot
     from .apply_eager import restored_buffers
 
     outputs: dict[str, list] = {}
@@ -189,8 +189,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
         return hook
 
     modes = {m: m.training for m in model.modules()}
-    kept = kept_as_it_was(model)
-    snapshot = kept.__enter__()
+    snapshot = Snapshot(model)  # put back at the end: the forward's side effects
     try:
         for path, m in model.named_modules():
             hooks.append(m.register_forward_hook(leave(path)))
@@ -228,7 +227,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             h.remove()
         for m, mode in modes.items():
             m.training = mode
-        kept.__exit__(None, None, None)
+        snapshot.restore()
     root = type(model).__name__
     flops: dict[str, float] = {}
     for name, per_op in counter.get_flop_counts().items():
