@@ -565,6 +565,67 @@ def test_gradients_summed_in_backward_are_summed_in_place_as_autograd_does():
             assert info.alloc_op <= info.freed_after + 1
 
 
+class _SumsInBackward(torch.autograd.Function):
+    """A custom backward that sums tensors it made: new tensors, as in any formula."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, c, d = g * 1.5, g * 2.5, g * 3.5, g * 4.5
+        return a + b + c + d
+
+
+class _AddsItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + g * 2 + g * 3
+
+
+class _OneOp(torch.nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(256, 256))
+        self.op = op
+
+    def forward(self, x):
+        return self.op(x @ self.w).sum()
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("make_model, rows", [
+    (lambda: _OneOp(_SumsInBackward.apply), 512),
+    (lambda: _OneOp(_AddsItsGradient.apply), 512),
+    (lambda: _OneOp(torch.linalg.pinv), 256),   # its backward formula sums products
+    (_Residual, 512),                           # the engine's own sums, made in place
+], ids=["custom-backward-sums", "custom-backward-adds-its-gradient", "pinv", "residual"])
+def test_sums_inside_backward_formulas_are_not_taken_for_the_engines_in_place_sums(make_model, rows):
+    # Only the autograd engine adds a gradient into a buffered one in place; an add inside
+    # a backward formula makes a new tensor. Taken for the engine's, these were predicted
+    # 13%, 22% and 6% below the real step.
+    torch.manual_seed(0)
+    model, x = make_model(), torch.randn(rows, 256)
+    predicted = pymemplan.trace(model, (x,), device="cpu").peak_bytes
+    measured = measure_step(model, (x,)).peak_bytes
+    assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
+
+
 class _WithIdleParts(torch.nn.Module):
     """Two trained layers, a frozen one before them, and a module that forward never calls
     (a pooler the loss does not use, say)."""

@@ -98,6 +98,10 @@ class _Recorder:
         # operand ids, operand ids freed since).
         self.sum_watch: tuple | None = None
         self.sum_aliases: list[tuple[int, int]] = []  # (operand, sum): see _settle_sum
+        # In backward: the autograd node (name, sequence number) current when each tensor
+        # was made, and when an op last read it (_note_sum tells the engine's sums apart).
+        self.made_in_node: dict[int, tuple] = {}
+        self.read_in_node: dict[int, tuple] = {}
         # id(real tensor) -> (it, its fake copy) for real tensors the model or the loss
         # closes over: held for the whole step, as the closure holds the real one, so that
         # the copy is one tensor from the start to the end, however often ops read it.
@@ -220,7 +224,7 @@ class _Recorder:
     # which is not understood yet.
     grads_present = False
 
-    def _note_sum(self, func, args, kwargs, out, outs, index) -> None:
+    def _note_sum(self, func, args, kwargs, out, outs, index, node) -> None:
         """Watch an ``add`` of two gradients of the same size in backward (see
         _settle_sum): the autograd engine's sum of two contributions to one gradient."""
         import torch
@@ -241,7 +245,24 @@ class _Recorder:
         operands = [t for t in operands if t is not None]
         if not operands or len(set(operands)) != len(operands):
             return
+        if not self._engine_sum(self.live.get(_storage_key(a)), self.live.get(_storage_key(b)), node):
+            return
         self.sum_watch = (index, outs[0][0], operands, [])
+
+    def _engine_sum(self, a, b, node) -> bool:
+        """Whether an add of tensors ``a`` and ``b`` (ids) under autograd node ``node`` can be
+        the engine's sum of two gradients rather than an add inside a backward formula (a
+        custom Function's, or pinv's, whose result is a new tensor: nothing there is in
+        place). The engine adds, after a node ran, its new output into a gradient buffered
+        from an earlier node, and the node that ran never read that buffered gradient (the
+        node stays current meanwhile). A formula adds tensors it made (both made by the
+        node), or its incoming gradient, which it read before (``g + g * 2``).
+        One case still looks alike: a formula whose first use of its incoming gradient is
+        an add."""
+        if a is None or b is None or node is None:
+            return False
+        older = [t for t in (a, b) if self.made_in_node.get(t) != node]
+        return bool(older) and all(self.read_in_node.get(t) != node for t in older)
 
     # -- module attribution --------------------------------------------------------------
     def module_now(self) -> str:
@@ -299,9 +320,11 @@ class _Recorder:
         index = len(self.ops)
         module = self.module_now()
         node = ""
+        node_key = None
         if self.phase == BACKWARD:
             n = torch._C._current_autograd_node()
             node = n.name() if n is not None else ""
+            node_key = None if n is None else (node, n._sequence_nr())
         name = str(func)
         if self.phase == OPTIMIZER and func is torch.ops.aten._local_scalar_dense.default:
             return _placeholder_scalar(args[0])
@@ -366,7 +389,15 @@ class _Recorder:
                 op.flops = float(formula(*args, **(kwargs or {}), out_val=out))
             except Exception:  # an overload the formula does not cover: no FLOPs known
                 op.flops = 0.0
-        self._note_sum(func, args, kwargs, out, outs, index)
+        self._note_sum(func, args, kwargs, out, outs, index, node_key)
+        if node_key is not None:
+            for k in in_keys:
+                tid = self.live.get(k)
+                if tid is not None:
+                    self.read_in_node[tid] = node_key
+            for o in outs:
+                if o is not None:
+                    self.made_in_node[o[0]] = node_key
         if self.probes is not None and not on_host:
             self.probes.add(index, func, args, kwargs, new_bytes, outs, out)
         if self.progress is not None and index % 500 == 0:
