@@ -78,6 +78,14 @@ class _Recorder:
         # Module paths: "" is the model itself; OUTSIDE is code outside the model's forward
         # (the loss function, the optimizer).
         self.module_stack: list[str] = [OUTSIDE]
+        self.module_calls: dict[str, int] = {}  # forward calls per module path
+        # The modules being run, each with its call number (-1 in backward, a recompute),
+        # as a tuple; per op, and per autograd node made in forward (as fwd_mod): which
+        # call of a module called several times an op belongs to (module_call_ops).
+        self.call_stack: list[tuple[str, int]] = []
+        self.calls_now: tuple = ()
+        self.fwd_calls: list[tuple] = []
+        self.op_calls: list[tuple] = []
         self.fwd_seq: list[int] = []        # sorted autograd sequence numbers ...
         self.fwd_mod: list[str] = []        # ... and the module that made each node
         self.param_module: dict[int, str] = {}  # id(fake parameter) -> owning module path
@@ -266,18 +274,51 @@ class _Recorder:
 
     # -- module attribution --------------------------------------------------------------
     def module_now(self) -> str:
+        return self.attribution()[0]
+
+    def attribution(self) -> tuple[str, tuple]:
+        """The module an op now belongs to, and the calls of the modules it runs in: in
+        backward, those of the forward that made the running autograd node."""
         if self.phase != BACKWARD:
-            return self.module_stack[-1]
+            return self.module_stack[-1], self.calls_now
         import torch
 
         node = torch._C._current_autograd_node()
         if node is None:
-            return OUTSIDE
+            return OUTSIDE, ()
         var = getattr(node, "variable", None)  # AccumulateGrad: the parameter it feeds
         if var is not None:
-            return self.param_module.get(id(var), "")
+            return self.param_module.get(id(var), ""), ()
         i = bisect.bisect_left(self.fwd_seq, node._sequence_nr())
-        return self.fwd_mod[i] if i < len(self.fwd_mod) else OUTSIDE
+        return (self.fwd_mod[i], self.fwd_calls[i]) if i < len(self.fwd_mod) else (OUTSIDE, ())
+
+    def enter_module(self, name: str) -> None:
+        k = -1
+        if self.phase == FORWARD:
+            k = self.module_calls.get(name, 0)
+            self.module_calls[name] = k + 1
+        self.module_stack.append(name)
+        self.call_stack.append((name, k))
+        self.calls_now = tuple(self.call_stack)
+
+    def leave_module(self) -> None:
+        self.module_stack.pop()
+        if self.call_stack:
+            self.call_stack.pop()
+        self.calls_now = tuple(self.call_stack)
+
+    def module_call_ops(self) -> dict[int, tuple]:
+        """Op index -> ((module, call number), ...) for the ops run inside a call of a module
+        the forward called more than once (StepGraph.module_calls)."""
+        multi = {m for m, n in self.module_calls.items() if n > 1}
+        if not multi:
+            return {}
+        out = {}
+        for i, calls in enumerate(self.op_calls):
+            mine = tuple(c for c in calls if c[0] in multi)
+            if mine:
+                out[i] = mine
+        return out
 
     def note_autograd_outputs(self, out) -> None:
         """Remember which module made the autograd nodes of `out` (forward only)."""
@@ -294,6 +335,7 @@ class _Recorder:
                 if not self.fwd_seq or seq > self.fwd_seq[-1]:
                     self.fwd_seq.append(seq)
                     self.fwd_mod.append(self.module_stack[-1])
+                    self.fwd_calls.append(self.calls_now)
 
     # -- ops -----------------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
@@ -318,7 +360,7 @@ class _Recorder:
         in_keys = [_storage_key(a) if is_fake(a) else _storage_key(self.fake_mode.from_tensor(a))
                    for a in flat_in if a.device.type != "meta"]
         index = len(self.ops)
-        module = self.module_now()
+        module, calls = self.attribution()
         node = ""
         node_key = None
         if self.phase == BACKWARD:
@@ -329,6 +371,7 @@ class _Recorder:
         if self.phase == OPTIMIZER and func is torch.ops.aten._local_scalar_dense.default:
             return _placeholder_scalar(args[0])
         self.ops.append(OpNode(index, name, module, self.phase, node))
+        self.op_calls.append(calls)
         try:
             out = run_op(func, args, kwargs, self.nonzero_density)
         except Exception as e:
@@ -1055,7 +1098,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
 
         def enter(name):
             def hook(_module, _args):
-                rec.module_stack.append(name)  # returns None: the inputs stay as they are
+                rec.enter_module(name)  # returns None: the inputs stay as they are
             return hook
 
         def leave(_module, _args, _output):
@@ -1065,7 +1108,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
             if exc is not None and (rec.unwound is None or rec.unwound[0] != (id(exc), type(exc))):
                 rec.unwound = ((id(exc), type(exc)), rec.module_stack[-1])
             del exc
-            rec.module_stack.pop()  # returns None: the output stays as it is
+            rec.leave_module()  # returns None: the output stays as it is
 
         for mname, m in model.named_modules():
             hooks.append(m.register_forward_pre_hook(enter(mname)))
@@ -1129,6 +1172,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         probe_stats = finish_recording(rec, probes, progress, activations, grads)
         return StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
                          phase_starts=phase_starts, first_optimizer_step=first_step,
+                         module_calls=rec.module_call_ops(),
                          meta={"model": type(model).__name__, "train": train,
                                "optimizer": type(opt).__name__ if opt is not None else None,
                                "foreach": (opt.param_groups[0].get("foreach")
@@ -1136,6 +1180,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                                "autocast": str(autocast).replace("torch.", "") if autocast else None,
                                "grads_present": grads_present,
                                "nonzero_density": nonzero_density,
+                               # Modules the forward called more than once (a shared layer).
+                               "module_calls": {k: v for k, v in rec.module_calls.items() if v > 1},
                                "inputs": _describe_inputs(tuple(inputs)),
                                "kernel_scratch_probe": probe_stats,
                                "torch_version": torch.__version__})

@@ -877,11 +877,11 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
 
         def enter(name):
             def hook(_module, _args):
-                rec.module_stack.append(name)
+                rec.enter_module(name)
             return hook
 
         def leave(_module, _args, _output):
-            rec.module_stack.pop()
+            rec.leave_module()
 
         for mname, m in fmodel.named_modules():
             hooks.append(m.register_forward_pre_hook(enter(mname)))

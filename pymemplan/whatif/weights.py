@@ -153,5 +153,5 @@ def rewrite(t, model, spec: str):
                 tensors[i] = resized(x, x.nbytes * keep)
     graph = StepGraph(ops=ops, tensors=tensors, device=g.device, phase_starts=g.phase_starts,
                       meta={**g.meta, "weights": spec},
-                      first_optimizer_step=g.first_optimizer_step)
+                      first_optimizer_step=g.first_optimizer_step, module_calls=g.module_calls)
     return MemoryTrace(graph)

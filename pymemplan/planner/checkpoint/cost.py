@@ -183,9 +183,10 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
                          if _m._buffers.get(n) is not b or b._version != v]
                 if moved:
                     changed_state.setdefault(path, f"its buffer '{moved[0]}'")
-            outputs[path] = [(first.get(o.untyped_storage()._cdata, -1),
-                              o.untyped_storage().nbytes())
-                             for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            # Every call's: a module called several times is checkpointed at each call.
+            outputs.setdefault(path, []).extend(
+                (first.get(o.untyped_storage()._cdata, -1), o.untyped_storage().nbytes())
+                for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor))
         return hook
 
     modes = {m: m.training for m in model.modules()}

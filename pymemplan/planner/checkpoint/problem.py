@@ -65,6 +65,12 @@ class Candidate:
     cost: float            # estimated seconds to re-run its forward
     flops: float | None = None
     policy: str = "full"   # FULL, or SAVE_COMPUTE: selective checkpointing
+    # A module called several times (a layer shared across depth, as ALBERT's): checkpoint
+    # wraps every call, and each call is one part: (f0, f1, b0, b1, dropped, held,
+    # transient), as the fields above are for a single call. The fields above then span
+    # the calls (f0 of the first, f1 of the last, ...): overlapping ranges exclude each
+    # other, so a unit run between two calls is taken to exclude it too (conservative).
+    parts: list = field(default_factory=list)
 
 
 @dataclass
@@ -128,34 +134,36 @@ class CheckpointProblem:
         for c, xi in zip(self.candidates, x):
             if not xi:
                 continue
-            if rng_state:
-                tensors.append(TensorInfo(
-                    id=next_id, nbytes=rng_state, size=rng_state, shape=(rng_state,),
-                    dtype="uint8", category=TEMPORARY, alloc_op=c.f0, freed_before=c.b1 + 1,
-                    last_use=c.b1, op="checkpoint: saved RNG state", module=c.module,
-                    phase=FORWARD))
-                next_id += 1
-            for tid in c.dropped:
-                t = tensors[tid]
-                fwd = copy.copy(t)
-                fwd.freed_before = c.f1 + 1
-                tensors[tid] = fwd
-                if t.freed_before is None or t.freed_before > c.b0:
-                    again = copy.copy(t)
-                    again.id, again.alloc_op, again.phase = next_id, c.b0, BACKWARD
+            for f0, f1, b0, b1, dropped, held, transient in (
+                    c.parts or [(c.f0, c.f1, c.b0, c.b1, c.dropped, c.held, c.transient)]):
+                if rng_state:
+                    tensors.append(TensorInfo(
+                        id=next_id, nbytes=rng_state, size=rng_state, shape=(rng_state,),
+                        dtype="uint8", category=TEMPORARY, alloc_op=f0, freed_before=b1 + 1,
+                        last_use=b1, op="checkpoint: saved RNG state", module=c.module,
+                        phase=FORWARD))
                     next_id += 1
-                    tensors.append(again)
-            for tid in c.held:
-                t = copy.copy(tensors[tid])
-                t.freed_before = max(t.freed_before, c.b1 + 1)
-                tensors[tid] = t
-            if c.transient:
-                op = copy.copy(ops[c.b0])
-                op.scratch += c.transient
-                ops[c.b0] = op
+                for tid in dropped:
+                    t = tensors[tid]
+                    fwd = copy.copy(t)
+                    fwd.freed_before = f1 + 1
+                    tensors[tid] = fwd
+                    if t.freed_before is None or t.freed_before > b0:
+                        again = copy.copy(t)
+                        again.id, again.alloc_op, again.phase = next_id, b0, BACKWARD
+                        next_id += 1
+                        tensors.append(again)
+                for tid in held:
+                    t = copy.copy(tensors[tid])
+                    t.freed_before = max(t.freed_before, b1 + 1)
+                    tensors[tid] = t
+                if transient:
+                    op = copy.copy(ops[b0])
+                    op.scratch += transient
+                    ops[b0] = op
         return StepGraph(ops=ops, tensors=tensors, device=g.device,
                          phase_starts=g.phase_starts, meta=dict(g.meta, checkpointed=True),
-                         first_optimizer_step=g.first_optimizer_step)
+                         first_optimizer_step=g.first_optimizer_step, module_calls=g.module_calls)
 
     def simulate(self, x):
         """Timeline of the step with the plan applied, re-simulated from the storages."""
@@ -299,17 +307,23 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
             skipped[path] = (f"the forward of '{changes}' changes {what}: a recompute would "
                              f"not compute the same")
             continue
-        if f1 - f0 + 1 != len(idx):
-            # Called more than once, or interleaved with other code: one checkpoint per
-            # call would be needed, which the per-op model here does not describe.
-            skipped[path] = "its forward ops are not contiguous (called more than once?)"
-            continue
         b = bwd.get(path)
         if not b:
             skipped[path] = "no backward ops (nothing in it needs a gradient)"
             continue
-        units.append((path, f0, f1, b[0], b[-1], None if flops is None else flops.get(path, 0.0),
-                      path))
+        count = (g.meta.get("module_calls") or {}).get(path, 1)
+        if count > 1:  # checkpoint wraps its forward: every call
+            calls, why = _calls(path, count, g.module_calls, by_alloc, g.phase_starts[BACKWARD])
+            if calls is None:
+                skipped[path] = why
+                continue
+        elif f1 - f0 + 1 == len(idx):
+            calls = [(f0, f1, b[0], b[-1])]
+        else:
+            skipped[path] = ("its forward ops are not contiguous: other code runs inside it "
+                             "(a module it calls that is not its child?)")
+            continue
+        units.append((path, calls, None if flops is None else flops.get(path, 0.0), path))
     for parent in sequential_modules or ():
         kids = sorted((c for c in fwd if c.rpartition(".")[0] == parent and c != parent),
                       key=lambda c: fwd[c][0]) if parent else \
@@ -334,73 +348,127 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                                                    for pat in modules):
                     continue
                 fl = None if flops is None else sum(flops.get(c, 0.0) for c in run)
-                units.append((name, f0, f1, min(bwd[c][0] for c in run),
-                              max(bwd[c][-1] for c in run), fl, run[-1]))
+                units.append((name, [(f0, f1, min(bwd[c][0] for c in run),
+                                      max(bwd[c][-1] for c in run))], fl, run[-1]))
 
-    for path, f0, f1, b0, b1, unit_flops, returner in units:
-        if outputs is not None and returner in outputs:
-            kept_out = set(outputs[returner])
-        else:
-            last_alloc = max((i for i in range(f0, f1 + 1) if i in by_alloc), default=f1)
-            kept_out = {(t.alloc_op, t.nbytes) for t in by_alloc.get(last_alloc, ())}
-        dropped, held = [], []
-        for i in range(f0, f1 + 1):
-            for t in by_alloc.get(i, ()):
-                if (t.category == ACTIVATION and (i, t.nbytes) not in kept_out
-                        and b0 <= t.last_use <= b1
-                        and (t.freed_before is None or t.freed_before > f1 + 1)):
-                    dropped.append(t)
-        for i in range(f0 + 1, f1 + 2):
-            for t in freed_fwd.get(i, ()):
-                if t.alloc_op < f0 and f0 <= t.last_use <= f1:
-                    held.append(t)
+    for path, calls, unit_flops, returner in units:
+        # Each call of the unit: what checkpoint drops there and what it holds.
+        per_call = []
+        for f0, f1, b0, b1 in calls:
+            if outputs is not None and returner in outputs:
+                kept_out = set(outputs[returner])
+            else:
+                last_alloc = max((i for i in range(f0, f1 + 1) if i in by_alloc), default=f1)
+                kept_out = {(t.alloc_op, t.nbytes) for t in by_alloc.get(last_alloc, ())}
+            dropped, held = [], []
+            for i in range(f0, f1 + 1):
+                for t in by_alloc.get(i, ()):
+                    if (t.category == ACTIVATION and (i, t.nbytes) not in kept_out
+                            and b0 <= t.last_use <= b1
+                            and (t.freed_before is None or t.freed_before > f1 + 1)):
+                        dropped.append(t)
+            for i in range(f0 + 1, f1 + 2):
+                for t in freed_fwd.get(i, ()):
+                    if t.alloc_op < f0 and f0 <= t.last_use <= f1:
+                        held.append(t)
+            per_call.append((f0, f1, b0, b1, dropped, held))
         # Two ways to checkpoint the unit: recompute all of it, or (selective
         # checkpointing) keep the outputs of its compute-bound ops and recompute the rest.
-        heavy = [t for t in dropped if is_compute_bound(t.op)]
-        variants = [(FULL, dropped)] if FULL in policies else []
+        all_dropped = [t for call in per_call for t in call[4]]
+        heavy = [t for t in all_dropped if is_compute_bound(t.op)]
+        variants = [FULL] if FULL in policies else []
         cached_changed = bool(mutated_compute) and any(
-            g.ops[i].module in mutated_compute for i in range(f0, f1 + 1))
-        if SAVE_COMPUTE in policies and heavy and len(heavy) < len(dropped):
+            g.ops[i].module in mutated_compute for f0, f1, *_ in calls for i in range(f0, f1 + 1))
+        if SAVE_COMPUTE in policies and heavy and len(heavy) < len(all_dropped):
             if cached_changed:
                 skipped.setdefault(path, "save-compute: an output it would cache is changed "
                                          "in place later")
             else:
-                variants.append((SAVE_COMPUTE,
-                                 [t for t in dropped if not is_compute_bound(t.op)]))
-        for policy, drop in variants:
-            saved = sum(t.size for t in drop)
+                variants.append(SAVE_COMPUTE)
+        for policy in variants:
+            d = np.zeros(n, dtype=np.int64)
+            parts, moved = [], 0.0
+            for f0, f1, b0, b1, dropped, held in per_call:
+                drop = dropped if policy == FULL else [t for t in dropped
+                                                       if not is_compute_bound(t.op)]
+                keep = held
+                if policy == SAVE_COMPUTE:
+                    # The selective policy caches *every* compute-bound output of the unit
+                    # until the recompute reads it back, even those autograd would have let
+                    # go earlier (the unit's output, once the next layer's backward is done).
+                    heavy_ids = {t.id for t in dropped if is_compute_bound(t.op)}
+                    keep = held + [t for i in range(f0, f1 + 1) for t in by_alloc.get(i, ())
+                                   if is_compute_bound(t.op) and t.id not in heavy_ids
+                                   and t.phase == FORWARD and t.freed_before is not None
+                                   and t.freed_before < b1 + 1]
+                dc, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep)
+                if rng_state:
+                    dc[f0:b1 + 1] += rng_state
+                d += dc
+                parts.append((f0, f1, b0, b1, [t.id for t in drop], [t.id for t in keep],
+                              transient))
+                if policy == FULL:
+                    moved += float(nbytes[f0:f1 + 1].sum())
+                else:
+                    moved += float(sum(nbytes[i] for i in range(f0, f1 + 1)
+                                       if not is_compute_bound(g.ops[i].name)))
+            saved = sum(t.size for t in all_dropped if t.id in {i for p in parts for i in p[4]})
             if saved < min_fraction * total_act:
                 skipped.setdefault(path, f"{policy}: saves (almost) nothing")
                 continue
-            keep = held
-            if policy == SAVE_COMPUTE:
-                # The selective policy caches *every* compute-bound output of the unit
-                # until the recompute reads it back, even those autograd would have let
-                # go earlier (the unit's output, once the next layer's backward is done).
-                heavy_ids = {t.id for t in heavy}
-                keep = held + [t for i in range(f0, f1 + 1) for t in by_alloc.get(i, ())
-                               if is_compute_bound(t.op) and t.id not in heavy_ids
-                               and t.phase == FORWARD and t.freed_before is not None
-                               and t.freed_before < b1 + 1]
-            d, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep)
-            if rng_state:
-                d[f0:b1 + 1] += rng_state
-            if policy == FULL:
-                fl = unit_flops
-                moved = float(nbytes[f0:f1 + 1].sum())
-            else:  # FLOPs are counted for compute-bound ops only, and those are kept
-                fl = 0.0 if flops is not None else None
-                moved = float(sum(nbytes[i] for i in range(f0, f1 + 1)
-                                  if not is_compute_bound(g.ops[i].name)))
-            cands.append(Candidate(len(cands), path, f0, f1, b0, b1, [t.id for t in drop],
-                                   [t.id for t in keep], transient, saved,
-                                   speed.seconds(fl or 0.0, moved), fl, policy))
+            # FLOPs: the unit's (every call's); the selective policy keeps the compute-bound
+            # ops, and FLOPs are counted for those only.
+            fl = unit_flops if policy == FULL else (0.0 if flops is not None else None)
+            cands.append(Candidate(len(cands), path, parts[0][0], parts[-1][1],
+                                   min(p[2] for p in parts), max(p[3] for p in parts),
+                                   [i for p in parts for i in p[4]],
+                                   [i for p in parts for i in p[5]],
+                                   max(p[6] for p in parts), saved,
+                                   speed.seconds(fl or 0.0, moved), fl, policy,
+                                   parts=parts if len(parts) > 1 else []))
             deltas.append(d)
     delta = np.stack(deltas) if deltas else np.zeros((0, n), dtype=np.int64)
     return CheckpointProblem(g, base, cands, delta, forward_cost,
                              "flops+bytes" if flops else "bytes", skipped,
                              outputs_known=outputs is not None)
 
+
+def _calls(path, count, module_calls, by_alloc, backward_start):
+    """The ``count`` calls of module ``path``: ``([(f0, f1, b0, b1), ...], None)``, each
+    call's forward ops and the backward ops of the autograd nodes it made (from the
+    trace's ``module_calls``), or ``(None, why)``. Checkpoint wraps every call, and each
+    is modelled as a unit of its own: its forward ops must be contiguous, and the calls'
+    backward ranges apart and in reverse order, as autograd runs them."""
+    if module_calls is None:
+        return None, (f"it is called {count} times, and this trace does not say which ops "
+                      "belong to which call (trace the model again)")
+    fwd = [[] for _ in range(count)]
+    bwd = [[] for _ in range(count)]
+    for i, calls in module_calls.items():
+        for m, k in calls:
+            if m == path and 0 <= k < count:
+                (fwd if i < backward_start else bwd)[k].append(i)
+    out = []
+    for f, b in zip(fwd, bwd):
+        if not f or f[-1] - f[0] + 1 != len(f):
+            return None, (f"it is called {count} times, and other code runs inside a call "
+                          "of it")
+        saves = any(t.category == ACTIVATION and t.last_use >= backward_start
+                    for i in f for t in by_alloc.get(i, ()))
+        if not b or not saves:
+            out.append(None)
+            continue
+        out.append((f[0], f[-1], min(b), max(b)))
+    if all(c is None for c in out):
+        return None, "full: saves (almost) nothing"
+    if any(c is None for c in out):
+        return None, (f"it is called {count} times, and some calls save nothing for their "
+                      "backward")
+    for (_, _, b0, _), (_, _, _, b1_next) in zip(out, out[1:]):
+        if not b1_next < b0:
+            return None, (f"it is called {count} times, and the backward passes of its "
+                          "calls interleave")
+    return out, None
 
 def _changes_state(path: str, mutated_state) -> str | None:
     """A module at or under ``path`` whose forward changes its own state, if any."""
