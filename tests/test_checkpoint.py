@@ -210,6 +210,31 @@ def test_budget_too_small_says_what_is_achievable(stack):
         t.plan(least, model=model, inputs=(x,), solver="chain-dp")
 
 
+def test_a_budget_the_milp_proves_infeasible_is_refused_without_the_greedy_search(
+        stack, monkeypatch):
+    # The greedy fallback searches the same model: where HiGHS proved that nothing fits,
+    # it would search in vain (it took 40% of `pymemplan plan --device cpu` on an MLP).
+    import importlib
+
+    from pymemplan.planner.checkpoint.milp import ProvenInfeasible
+
+    plan_module = importlib.import_module("pymemplan.planner.checkpoint.plan")
+
+    model, x, t = stack
+    p = t.checkpoint_problem(model, (x,))
+    least, _ = least_peak(p)
+    assert isinstance(solve_milp(p, least - 4096), ProvenInfeasible)
+    assert not isinstance(solve_milp(p, least), ProvenInfeasible)
+
+    def greedy(*args, **kwargs):
+        raise AssertionError("greedy ran on a proven infeasible budget")
+
+    monkeypatch.setattr(plan_module, "solve_greedy", greedy)
+    with pytest.raises(BudgetTooSmallError):
+        make_plan(p, least - 4096)
+    assert make_plan(p, least).predicted_peak_bytes <= least
+
+
 def test_pareto_front(stack, tmp_path):
     model, x, t = stack
     png = tmp_path / "pareto.png"

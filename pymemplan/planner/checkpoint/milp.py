@@ -63,6 +63,9 @@ def _without_highs_debug_lines():
                 os.write(1, b"".join(kept))
 
 
+_INFEASIBLE = 2  # scipy.optimize.milp's status for a problem proven infeasible
+
+
 def highs_milp(*args, **kwargs):
     """``scipy.optimize.milp`` without HiGHS's debug lines on stdout."""
     from scipy.optimize import milp
@@ -91,17 +94,26 @@ def _solve(c, A, ub, cliques, n, extra_cols=0, time_limit=10.0):
                                "disp": False})
 
 
-def solve_milp(p: CheckpointProblem, budget: int, time_limit: float = 10.0) -> Solution | None:
+class ProvenInfeasible:
+    """solve_milp's answer where no choice of candidates fits the budget, proven (by
+    HiGHS, or because the budget is below memory no candidate touches): no other solver
+    of the same model can find one, so none need be tried."""
+
+
+def solve_milp(p: CheckpointProblem, budget: int,
+               time_limit: float = 10.0) -> Solution | ProvenInfeasible | None:
+    """The cheapest plan within ``budget``; ProvenInfeasible if there is none; None if
+    HiGHS found none in its time limit (or numerical trouble)."""
     t0 = time.perf_counter()
     D, limit = binding_rows(p, budget)
     if len(limit) and ((D == 0).all(axis=1) & (limit < 0)).any():
-        return None  # the budget is below memory no candidate can touch
+        return ProvenInfeasible()  # the budget is below memory no candidate can touch
     c = np.array([c.cost for c in p.candidates], dtype=float)
     c = c / (c.max() if len(c) and c.max() > 0 else 1.0) + 1e-9  # prefer fewer, all else equal
     res = _solve(c, D / _SCALE, np.floor(limit) / _SCALE, p.cliques(), p.n,
                  time_limit=time_limit)
     if res.x is None:
-        return None
+        return ProvenInfeasible() if res.status == _INFEASIBLE else None
     x = np.round(res.x[:p.n]).astype(np.int64)
     if len(limit) and (D @ x > limit).any():
         return None  # numerical trouble: let the caller fall back

@@ -18,7 +18,7 @@ from ..errors import PlannerError
 from ..graph import GRADIENT, INPUT, OPTIMIZER_STATE, PARAMETER, BUFFER
 from .chain_dp import solve_chain
 from .greedy import solve_greedy
-from .milp import least_peak, solve_milp
+from .milp import ProvenInfeasible, least_peak, solve_milp
 from .problem import CheckpointProblem, Solution
 
 SOLVERS = ("auto", "chain-dp", "milp", "greedy")
@@ -200,6 +200,8 @@ def make_plan(p: CheckpointProblem, budget, *, solver: str = "auto",
                     "or 'auto'")
     if sol is None and solver in ("auto", "milp"):
         sol = solve_milp(p, b, time_limit=time_limit)
+        if isinstance(sol, ProvenInfeasible):  # greedy would search in vain
+            raise _too_small(p, b)
     if sol is None and solver in ("auto", "greedy"):
         sol = solve_greedy(p, b)
         if sol is not None and solver == "auto":
