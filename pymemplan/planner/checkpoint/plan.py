@@ -246,7 +246,7 @@ def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
     import warnings
 
     from .apply_eager import apply, checkpointed_modules, remove
-    from .problem import checkpoint_rng_bytes
+    from .problem import checkpoint_rng_bytes, checkpointed_calls
 
     if checkpointed_modules(model):
         raise PlannerError("verifying a plan applies it to the model, which already has a "
@@ -261,8 +261,11 @@ def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
         else:
             apply(model, pl.policies)
             try:
-                # Every unit is counted as holding its RNG state at the peak: an upper bound.
-                peak = int(retrace(model, inputs).peak_bytes) + rng_state * len(pl.policies)
+                # Every call of a unit is counted as holding its RNG state at the peak: an
+                # upper bound.
+                traced = retrace(model, inputs)
+                peak = int(traced.peak_bytes) + rng_state * checkpointed_calls(
+                    traced.graph.meta, pl.policies)
             finally:
                 remove(model)
         pl.verified_peak_bytes = peak

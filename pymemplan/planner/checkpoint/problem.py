@@ -478,6 +478,14 @@ def _changes_state(path: str, mutated_state) -> str | None:
     return None
 
 
+def checkpointed_calls(meta: dict, units) -> int:
+    """How many checkpointed calls ``units`` (module paths, or Sequential runs) make in a
+    step, by the calls the trace counted (``meta["module_calls"]``): each call saves its
+    own RNG state."""
+    counts = meta.get("module_calls") or {}
+    return sum(counts.get(u, 1) for u in units)
+
+
 def checkpoint_rng_bytes(device: str) -> int:
     """Bytes of target-device memory one checkpointed unit holds for the RNG state
     ``torch.utils.checkpoint`` saves (``preserve_rng_state``): the CPU generator's state
