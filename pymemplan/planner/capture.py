@@ -80,12 +80,13 @@ class _Recorder:
         self.module_stack: list[str] = [OUTSIDE]
         self.module_calls: dict[str, int] = {}  # forward calls per module path
         # The modules being run, each with its call number (-1 in backward, a recompute),
-        # as a tuple; per op, and per autograd node made in forward (as fwd_mod): which
-        # call of a module called several times an op belongs to (module_call_ops).
+        # as a tuple; per op, and per autograd node made in forward (as fwd_mod): the calls
+        # an op ran in (StepGraph.op_calls). And per op, the tensor ids it read.
         self.call_stack: list[tuple[str, int]] = []
         self.calls_now: tuple = ()
         self.fwd_calls: list[tuple] = []
         self.op_calls: list[tuple] = []
+        self.op_reads: list[tuple] = []
         self.fwd_seq: list[int] = []        # sorted autograd sequence numbers ...
         self.fwd_mod: list[str] = []        # ... and the module that made each node
         self.param_module: dict[int, str] = {}  # id(fake parameter) -> owning module path
@@ -307,19 +308,6 @@ class _Recorder:
             self.call_stack.pop()
         self.calls_now = tuple(self.call_stack)
 
-    def module_call_ops(self) -> dict[int, tuple]:
-        """Op index -> ((module, call number), ...) for the ops run inside a call of a module
-        the forward called more than once (StepGraph.module_calls)."""
-        multi = {m for m, n in self.module_calls.items() if n > 1}
-        if not multi:
-            return {}
-        out = {}
-        for i, calls in enumerate(self.op_calls):
-            mine = tuple(c for c in calls if c[0] in multi)
-            if mine:
-                out[i] = mine
-        return out
-
     def note_autograd_outputs(self, out) -> None:
         """Remember which module made the autograd nodes of `out` (forward only)."""
         import torch
@@ -372,6 +360,7 @@ class _Recorder:
             return _placeholder_scalar(args[0])
         self.ops.append(OpNode(index, name, module, self.phase, node))
         self.op_calls.append(calls)
+        self.op_reads.append(tuple(t for t in (self.live.get(k) for k in in_keys) if t is not None))
         try:
             out = run_op(func, args, kwargs, self.nonzero_density)
         except Exception as e:
@@ -1172,7 +1161,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         probe_stats = finish_recording(rec, probes, progress, activations, grads)
         return StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
                          phase_starts=phase_starts, first_optimizer_step=first_step,
-                         module_calls=rec.module_call_ops(),
+                         op_calls=rec.op_calls, op_reads=rec.op_reads,
                          meta={"model": type(model).__name__, "train": train,
                                "optimizer": type(opt).__name__ if opt is not None else None,
                                "foreach": (opt.param_groups[0].get("foreach")

@@ -94,11 +94,14 @@ class StepGraph:
     # and frees in order as [action (0 alloc, 1 free), tensor id of the state it makes or
     # -1, id local to this list, bytes]. None when there is no optimizer.
     first_optimizer_step: dict | None = None
-    # Op index -> ((module path, call number), ...) for the ops, forward and backward, of
-    # each call of a module the forward called more than once (a layer shared across
-    # depth): what checkpoint planning models call by call. None when not recorded (a
-    # graph made otherwise, as the sharded recorder's); {} when no module was called twice.
-    module_calls: dict | None = None
+    # Per op: the module calls it ran in, outermost first, as ((module path, call number),
+    # ...); in backward, those of the forward that made its autograd node (none for
+    # AccumulateGrad). And the storages (tensor ids) it read. Checkpoint planning reads a
+    # unit's ops, its inputs and its calls (a layer shared across depth is called several
+    # times) off them. None when not recorded (a graph made otherwise, as the sharded
+    # recorder's).
+    op_calls: list | None = None
+    op_reads: list | None = None
 
     @property
     def num_ops(self) -> int:

@@ -41,10 +41,14 @@ class Snapshot:
             held = {k: c for k, v in attrs.items() if (c := _contents(v)) is not None}
             self.modules.append((path, m, attrs, held))
 
-    def changed(self) -> dict[str, set[str]]:
+    def changed(self, ours=()) -> dict[str, set[str]]:
         """Module path -> the attributes its forward rebound or whose existing entries it
         changed. New attributes and new entries (a cache filled on the first call) are not
-        changes: a second run of the forward finds them and computes the same."""
+        changes: a second run of the forward finds them and computes the same. Nor are
+        entries that now hold one of ``ours``: the caller's own doing (the tensors
+        ``torch.func.functional_call`` swapped in, which it leaves in a module reachable
+        under several names, as in ``nn.ModuleList([layer] * n)``)."""
+        ours = {id(x) for x in ours}
         out: dict[str, set[str]] = {}
         for path, m, attrs, held in self.modules:
             now = vars(m)
@@ -53,7 +57,7 @@ class Snapshot:
                     continue
                 if now[k] is not v:
                     out.setdefault(path, set()).add(k)
-                elif k in held and _entries_changed(held[k], v):
+                elif k in held and _entries_changed(held[k], v, ours):
                     out.setdefault(path, set()).add(k)
         return out
 
@@ -72,11 +76,12 @@ class Snapshot:
 _MISSING = object()
 
 
-def _entries_changed(before, container) -> bool:
+def _entries_changed(before, container, ours=frozenset()) -> bool:
     if isinstance(container, dict):
-        return any(k in container and container[k] is not v for k, v in before.items())
+        return any(k in container and container[k] is not v and id(container[k]) not in ours
+                   for k, v in before.items())
     if isinstance(container, list):
-        return any(a is not b for a, b in zip(before, container))
+        return any(a is not b and id(b) not in ours for a, b in zip(before, container))
     return False
 
 

@@ -153,5 +153,6 @@ def rewrite(t, model, spec: str):
                 tensors[i] = resized(x, x.nbytes * keep)
     graph = StepGraph(ops=ops, tensors=tensors, device=g.device, phase_starts=g.phase_starts,
                       meta={**g.meta, "weights": spec},
-                      first_optimizer_step=g.first_optimizer_step, module_calls=g.module_calls)
+                      first_optimizer_step=g.first_optimizer_step, op_calls=g.op_calls,
+                      op_reads=g.op_reads)
     return MemoryTrace(graph)

@@ -216,7 +216,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
                 torch.func.functional_call(model, state, args)
             # Python attributes the forward rebinds (a step counter, a schedule) are state
             # as its buffers are.
-            for path, attrs in snapshot.changed().items():
+            for path, attrs in snapshot.changed(ours=state.values()).items():
                 changed_state.setdefault(path, f"its attribute '{sorted(attrs)[0]}'")
             mutated = {"arguments": {path for path, seen in called
                                      if any(t._version != v for t, v in seen)},

@@ -68,8 +68,8 @@ class Candidate:
     # A module called several times (a layer shared across depth, as ALBERT's): checkpoint
     # wraps every call, and each call is one part: (f0, f1, b0, b1, dropped, held,
     # transient), as the fields above are for a single call. The fields above then span
-    # the calls (f0 of the first, f1 of the last, ...): overlapping ranges exclude each
-    # other, so a unit run between two calls is taken to exclude it too (conservative).
+    # the calls (f0 of the first, f1 of the last, ...); units exclude each other where
+    # their calls' forward ranges overlap (conflicts).
     parts: list = field(default_factory=list)
 
 
@@ -91,21 +91,26 @@ class CheckpointProblem:
         return len(self.candidates)
 
     def conflicts(self) -> list[tuple[int, int]]:
-        """Pairs that cannot both be chosen: units whose forward ops overlap (a module and
-        its submodules, overlapping Sequential segments, two policies of one unit)."""
+        """Pairs that cannot both be chosen: units whose calls' forward ops overlap (a
+        module and its submodules, overlapping Sequential segments, two policies of one
+        unit, a module and one it runs)."""
+        spans = [_spans(c) for c in self.candidates]
         out = []
         for a in self.candidates:
             for b in self.candidates:
-                if b.index > a.index and a.f0 <= b.f1 and b.f0 <= a.f1:
+                if b.index > a.index and any(f0 <= g1 and g0 <= f1 for f0, f1 in spans[a.index]
+                                             for g0, g1 in spans[b.index]):
                     out.append((a.index, b.index))
         return out
 
     def cliques(self) -> list[list[int]]:
-        """The same exclusions as cliques: forward op ranges are intervals, so candidates
-        that overlap pairwise all cover one point; one row per distinct start point."""
+        """The same exclusions as cliques: two overlapping ranges both cover the later one's
+        start, so one row per distinct start point, of the candidates with a call there."""
+        spans = [_spans(c) for c in self.candidates]
         out = []
-        for f in sorted({c.f0 for c in self.candidates}):
-            members = [c.index for c in self.candidates if c.f0 <= f <= c.f1]
+        for f in sorted({f0 for s in spans for f0, _ in s}):
+            members = [c.index for c in self.candidates
+                       if any(f0 <= f <= f1 for f0, f1 in spans[c.index])]
             if len(members) > 1:
                 out.append(members)
         return out
@@ -163,11 +168,17 @@ class CheckpointProblem:
                     ops[b0] = op
         return StepGraph(ops=ops, tensors=tensors, device=g.device,
                          phase_starts=g.phase_starts, meta=dict(g.meta, checkpointed=True),
-                         first_optimizer_step=g.first_optimizer_step, module_calls=g.module_calls)
+                         first_optimizer_step=g.first_optimizer_step, op_calls=g.op_calls,
+                         op_reads=g.op_reads)
 
     def simulate(self, x):
         """Timeline of the step with the plan applied, re-simulated from the storages."""
         return build_timeline(self.simulated_graph(x))
+
+
+def _spans(c: Candidate) -> list[tuple[int, int]]:
+    """The forward op ranges of a candidate's calls."""
+    return [(p[0], p[1]) for p in c.parts] or [(c.f0, c.f1)]
 
 
 def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held):
@@ -277,6 +288,7 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     forward_cost = speed.seconds(flops_total or 0.0, float(nbytes[fwd_ops].sum()) if fwd_ops else 0.0)
 
     cands, deltas, skipped = [], [], {}
+    calls_of = _module_calls(g)
     own_ops = {op.module for op in g.ops if op.phase == FORWARD}
     children: dict[str, set] = {}
     for path in fwd:
@@ -311,17 +323,16 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         if not b:
             skipped[path] = "no backward ops (nothing in it needs a gradient)"
             continue
-        count = (g.meta.get("module_calls") or {}).get(path, 1)
-        if count > 1:  # checkpoint wraps its forward: every call
-            calls, why = _calls(path, count, g.module_calls, by_alloc, g.phase_starts[BACKWARD])
+        if calls_of is not None and path in calls_of:  # checkpoint wraps every call
+            calls, why = _calls(calls_of[path], b, by_alloc, g.phase_starts[BACKWARD])
             if calls is None:
                 skipped[path] = why
                 continue
         elif f1 - f0 + 1 == len(idx):
             calls = [(f0, f1, b[0], b[-1])]
         else:
-            skipped[path] = ("its forward ops are not contiguous: other code runs inside it "
-                             "(a module it calls that is not its child?)")
+            skipped[path] = ("its forward ops are not contiguous (called more than once, or "
+                             "another module's code runs inside it)")
             continue
         units.append((path, calls, None if flops is None else flops.get(path, 0.0), path))
     for parent in sequential_modules or ():
@@ -367,10 +378,19 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                             and b0 <= t.last_use <= b1
                             and (t.freed_before is None or t.freed_before > f1 + 1)):
                         dropped.append(t)
-            for i in range(f0 + 1, f1 + 2):
-                for t in freed_fwd.get(i, ()):
-                    if t.alloc_op < f0 and f0 <= t.last_use <= f1:
-                        held.append(t)
+            if g.op_reads is not None:
+                # Checkpoint keeps the unit's arguments to its backward: every storage made
+                # before the unit that it reads, and that would go before then.
+                read = {tid for i in range(f0, f1 + 1) for tid in g.op_reads[i]}
+                held = [g.tensors[tid] for tid in sorted(read)
+                        if g.tensors[tid].alloc_op < f0 and g.tensors[tid].size
+                        and g.tensors[tid].freed_before is not None
+                        and f0 < g.tensors[tid].freed_before <= b1]
+            else:  # only what its forward reads last
+                for i in range(f0 + 1, f1 + 2):
+                    for t in freed_fwd.get(i, ()):
+                        if t.alloc_op < f0 and f0 <= t.last_use <= f1:
+                            held.append(t)
             per_call.append((f0, f1, b0, b1, dropped, held))
         # Two ways to checkpoint the unit: recompute all of it, or (selective
         # checkpointing) keep the outputs of its compute-bound ops and recompute the rest.
@@ -433,37 +453,59 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                              outputs_known=outputs is not None)
 
 
-def _calls(path, count, module_calls, by_alloc, backward_start):
-    """The ``count`` calls of module ``path``: ``([(f0, f1, b0, b1), ...], None)``, each
-    call's forward ops and the backward ops of the autograd nodes it made (from the
-    trace's ``module_calls``), or ``(None, why)``. Checkpoint wraps every call, and each
-    is modelled as a unit of its own: its forward ops must be contiguous, and the calls'
-    backward ranges apart and in reverse order, as autograd runs them."""
-    if module_calls is None:
-        return None, (f"it is called {count} times, and this trace does not say which ops "
-                      "belong to which call (trace the model again)")
-    fwd = [[] for _ in range(count)]
-    bwd = [[] for _ in range(count)]
-    for i, calls in module_calls.items():
-        for m, k in calls:
-            if m == path and 0 <= k < count:
-                (fwd if i < backward_start else bwd)[k].append(i)
+def _module_calls(g):
+    """Module path -> per call, ``[first forward op, last forward op, [backward ops]]``, from
+    the call stacks the trace recorded (``StepGraph.op_calls``): forward, every op run
+    inside the call (its children's, and those of any other module it runs); backward, the
+    ops of the autograd nodes made inside it. None without that record."""
+    if g.op_calls is None:
+        return None
+    backward_start = g.phase_starts.get(BACKWARD, len(g.ops))
+    out: dict[str, list] = {}
+    for i, stack in enumerate(g.op_calls):
+        for path, k in stack:
+            if k < 0:  # a recompute's call, run in backward
+                continue
+            calls = out.setdefault(path, [])
+            while len(calls) <= k:
+                calls.append([None, None, []])
+            call = calls[k]
+            if i < backward_start:
+                if call[0] is None:
+                    call[0] = i
+                call[1] = i
+            else:
+                call[2].append(i)
+    return out
+
+
+def _calls(recorded, attributed, by_alloc, backward_start):
+    """A unit's calls as ``([(f0, f1, b0, b1), ...], None)``, or ``(None, why)``.
+    ``recorded``: _module_calls' entry for it; ``attributed``: the backward ops attributed
+    to its path (its parameters' gradient accumulation included). Checkpoint wraps every
+    call, and each is modelled as a unit of its own; the calls' backward ranges must lie
+    apart, in reverse order, as autograd runs them. A call that runs no op, or saves
+    nothing its backward reads (run without gradients), changes nothing."""
+    count = len(recorded)
+    if count == 1:
+        f0, f1, ops = recorded[0]
+        ops = sorted(set(ops) | set(attributed))
+        if f0 is None or not ops:
+            return None, "no backward ops (nothing in it needs a gradient)"
+        return [(f0, f1, ops[0], ops[-1])], None
+    runs = [c for c in recorded if c[0] is not None]
+    for (_, f1, _), (g0, _, _) in zip(runs, runs[1:]):
+        if g0 <= f1:
+            return None, (f"it calls itself: of its {count} calls, some run inside others "
+                          "(checkpointing the outer call recomputes the inner ones)")
     out = []
-    for f, b in zip(fwd, bwd):
-        if not f or f[-1] - f[0] + 1 != len(f):
-            return None, (f"it is called {count} times, and other code runs inside a call "
-                          "of it")
+    for f0, f1, b in runs:
         saves = any(t.category == ACTIVATION and t.last_use >= backward_start
-                    for i in f for t in by_alloc.get(i, ()))
-        if not b or not saves:
-            out.append(None)
-            continue
-        out.append((f[0], f[-1], min(b), max(b)))
-    if all(c is None for c in out):
+                    for i in range(f0, f1 + 1) for t in by_alloc.get(i, ()))
+        if b and saves:
+            out.append((f0, f1, min(b), max(b)))
+    if not out:
         return None, "full: saves (almost) nothing"
-    if any(c is None for c in out):
-        return None, (f"it is called {count} times, and some calls save nothing for their "
-                      "backward")
     for (_, _, b0, _), (_, _, _, b1_next) in zip(out, out[1:]):
         if not b1_next < b0:
             return None, (f"it is called {count} times, and the backward passes of its "
