@@ -380,12 +380,13 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                         dropped.append(t)
             if g.op_reads is not None:
                 # Checkpoint keeps the unit's arguments to its backward: every storage made
-                # before the unit that it reads, and that would go before then.
+                # before the unit that it reads, and that would go before then. (One that
+                # goes inside the unit's backward anyway is left as it is: a few ops.)
                 read = {tid for i in range(f0, f1 + 1) for tid in g.op_reads[i]}
                 held = [g.tensors[tid] for tid in sorted(read)
                         if g.tensors[tid].alloc_op < f0 and g.tensors[tid].size
                         and g.tensors[tid].freed_before is not None
-                        and f0 < g.tensors[tid].freed_before <= b1]
+                        and f0 < g.tensors[tid].freed_before <= b0]
             else:  # only what its forward reads last
                 for i in range(f0 + 1, f1 + 2):
                     for t in freed_fwd.get(i, ()):
