@@ -139,8 +139,7 @@ class CheckpointProblem:
         for c, xi in zip(self.candidates, x):
             if not xi:
                 continue
-            for f0, f1, b0, b1, dropped, held, transient in (
-                    c.parts or [(c.f0, c.f1, c.b0, c.b1, c.dropped, c.held, c.transient)]):
+            for f0, f1, b0, b1, dropped, held, transient in _parts(c):
                 if rng_state:
                     tensors.append(TensorInfo(
                         id=next_id, nbytes=rng_state, size=rng_state, shape=(rng_state,),
@@ -176,9 +175,15 @@ class CheckpointProblem:
         return build_timeline(self.simulated_graph(x))
 
 
+def _parts(c: Candidate) -> list[tuple]:
+    """A candidate's calls as (f0, f1, b0, b1, dropped, held, transient): its parts, or
+    itself for a unit called once."""
+    return c.parts or [(c.f0, c.f1, c.b0, c.b1, c.dropped, c.held, c.transient)]
+
+
 def _spans(c: Candidate) -> list[tuple[int, int]]:
     """The forward op ranges of a candidate's calls."""
-    return [(p[0], p[1]) for p in c.parts] or [(c.f0, c.f1)]
+    return [(p[0], p[1]) for p in _parts(c)]
 
 
 def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held):
@@ -433,7 +438,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                 else:
                     moved += float(sum(nbytes[i] for i in range(f0, f1 + 1)
                                        if not is_compute_bound(g.ops[i].name)))
-            saved = sum(t.size for t in all_dropped if t.id in {i for p in parts for i in p[4]})
+            dropped_ids = {i for p in parts for i in p[4]}
+            saved = sum(t.size for t in all_dropped if t.id in dropped_ids)
             if saved < min_fraction * total_act:
                 skipped.setdefault(path, f"{policy}: saves (almost) nothing")
                 continue
