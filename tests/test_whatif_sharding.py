@@ -243,3 +243,42 @@ def test_masks_in_a_sharded_step_are_sized_by_the_density(strategy):
     t = S.trace_sharded(model, (x,), strategy=strategy, world_size=2, loss_fn=loss,
                         device="cpu", probe_kernels=False, nonzero_density=0.25)
     assert any(info.shape == (128, 64) for info in t.tensors if info.op == "aten.index.Tensor")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_layer_shared_across_depth_is_a_checkpoint_candidate_of_a_sharded_step(strategy):
+    # A sharded trace records module calls as pymemplan.trace does, so a layer called at
+    # every depth is one candidate of several calls, and its plan is what a sharded trace
+    # of the step with the plan applied gives (plus the RNG state no trace sees).
+    from pymemplan.planner.checkpoint.problem import checkpoint_rng_bytes
+
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(64, 256)
+            self.layer = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                             torch.nn.Linear(1024, 256))
+            self.out = torch.nn.Linear(256, 8)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for _ in range(4):
+                x = x + self.layer(x)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    model, x = Loop(), torch.randn(256, 64)
+    loss = lambda out: out.pow(2).mean()  # noqa: E731
+    kw = dict(strategy=strategy, world_size=2, loss_fn=loss, optimizer=torch.optim.AdamW,
+              device="cpu", probe_kernels=False)
+    t = S.trace_sharded(model, (x,), **kw)
+    assert t.graph.meta["module_calls"]["layer"] == 4
+    plan = t.plan(int(0.8 * t.peak_bytes), model=model, inputs=(x,))
+    assert plan.policies == {"layer": "full"}
+    plan.apply(model)
+    try:
+        traced = S.trace_sharded(model, (x,), **kw).peak_bytes
+    finally:
+        plan.remove(model)
+    assert traced <= int(0.8 * t.peak_bytes)
+    assert 0 <= plan.predicted_peak_bytes - traced <= 4 * checkpoint_rng_bytes("cpu")

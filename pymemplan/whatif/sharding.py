@@ -939,6 +939,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                 "nonzero_density": nonzero_density,
                 "inputs": _describe_inputs(tuple(inputs)),
                 "kernel_scratch_probe": probe_stats,
+                "module_calls": {k: v for k, v in rec.module_calls.items() if v > 1},
                 "torch_version": torch.__version__,
                 "sharding": {"strategy": strategy, "world_size": world_size, "rank": rank,
                              "backend": state.backend,
@@ -950,7 +951,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         first_step = (_first_step_events(first, rec, inner, profile, step_span, local=_local)
                       if first is not None and inner is not None else None)
         graph = StepGraph(ops=rec.ops, tensors=rec.tensors, device=profile.name,
-                          phase_starts=phase_starts, meta=meta, first_optimizer_step=first_step)
+                          phase_starts=phase_starts, meta=meta, first_optimizer_step=first_step,
+                          op_calls=rec.op_calls, op_reads=rec.op_reads)
         # Drop the fake world (FSDP's state, DDP's reducer and its hooks) before the process
         # group goes.
         del fmodel, wrapped, opt, inner, params, scaler, step, optimizer_step
