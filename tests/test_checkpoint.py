@@ -249,8 +249,9 @@ def test_pareto_front(stack, tmp_path):
 
 @pytest.mark.parametrize("policies", [("full", "save-compute"), ("save-compute",)])
 def test_predicted_peak_holds_in_a_real_step(stack, policies):
-    """The plan, applied, measured on a real CPU step: within the budget (+2%), and close
-    to the prediction."""
+    """The plan, applied, measured on a real CPU step: within the budget, and within 0.1%
+    of the prediction (the recompute's temporaries are counted with only the tensors
+    re-made before them; selectively cached outputs live as long as they are measured to)."""
     model, x, t = stack
     for frac in (0.85, 0.8 if policies == ("save-compute",) else 0.7):
         budget = int(t.peak_bytes * frac)
@@ -261,8 +262,9 @@ def test_predicted_peak_holds_in_a_real_step(stack, policies):
             measured = measure_step(model, (x,)).peak_bytes
         finally:
             pl.remove(model)
-        assert measured <= budget * 1.02
-        assert abs(measured - pl.predicted_peak_bytes) <= 0.02 * pl.predicted_peak_bytes
+        assert measured <= budget
+        assert abs(measured - pl.predicted_peak_bytes) <= 1e-3 * pl.predicted_peak_bytes, \
+            (measured, pl.predicted_peak_bytes)
 
 
 def test_top_level_plan_and_lazy_import():
@@ -317,3 +319,30 @@ def test_highs_debug_lines_are_kept_off_stdout(capfd):
     out = capfd.readouterr().out
     assert "Highs" not in out
     assert "a line of the user's" in out and "and one from Python" in out
+
+
+def test_selective_plans_of_a_transformer_hold_their_prediction():
+    # GPT-2's blocks under the selective policy. The recompute of its MLP makes the tanh
+    # GELU's temporaries while only the first of the tensors it re-makes exist, and reads
+    # the matmul outputs it keeps instead of making them: counting those on top, the plan
+    # at 60% was predicted 4.5% above its measured peak. Its cached c_proj output goes
+    # when the recompute is over; a cached output the unit returns stays to the end of
+    # its backward (test_predicted_peak_holds_in_a_real_step, save-compute).
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000,
+                                  n_positions=256)
+    torch.manual_seed(0)
+    model, ids = transformers.GPT2LMHeadModel(cfg), torch.randint(0, 1000, (4, 256))
+    loss = lambda out: out.logits.float().pow(2).mean()  # noqa: E731
+    t = pymemplan.trace(model, (ids,), loss_fn=loss, device="cpu")
+    budget = int(0.6 * t.peak_bytes)
+    pl = t.plan(budget, model=model, inputs=(ids,), policies=("save-compute",), verify=False)
+    assert set(pl.policies.values()) == {"save-compute"}
+    pl.apply(model)
+    try:
+        measured = measure_step(model, (ids,), loss_fn=loss).peak_bytes
+    finally:
+        pl.remove(model)
+    assert measured <= budget
+    assert abs(pl.predicted_peak_bytes - measured) <= 1e-3 * measured, \
+        (pl.predicted_peak_bytes, measured)

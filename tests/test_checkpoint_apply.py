@@ -722,7 +722,6 @@ def test_albert_layers_shared_across_depth_are_planned_and_hold_in_a_real_step()
         finally:
             plan.remove(model)
         assert measured <= budget
-        # Over by at most 2% (the recompute's transient is counted on top at its call's
-        # first backward op, as for any unit); under by bytes at most.
-        assert -1e-4 * measured <= plan.predicted_peak_bytes - measured <= 0.02 * measured, \
+        # Within 0.1% over, and bytes under.
+        assert -1e-4 * measured <= plan.predicted_peak_bytes - measured <= 1e-3 * measured, \
             fraction

@@ -16,7 +16,8 @@ traced step (:class:`~pymemplan.planner.graph.StepGraph`):
      backward ends.
      Under the selective policy, the compute-bound outputs it caches live until then too.
   3. *Recompute transient*: re-running M's forward at the start of its backward needs, on
-     top of what is live then, the temporaries M's forward had at its worst moment.
+     top of what is live then, the temporaries M's forward had at its worst moment, less
+     the dropped activations not yet re-made at that moment.
 
   So the memory at op ``i`` with candidates ``x`` (0/1) chosen is exactly
   ``base[i] + sum_s x_s * delta[s, i]``: the effects of distinct, non-nested modules
@@ -65,9 +66,12 @@ class Candidate:
     cost: float            # estimated seconds to re-run its forward
     flops: float | None = None
     policy: str = "full"   # FULL, or SAVE_COMPUTE: selective checkpointing
+    # Selective policy: tensor ids of compute-bound outputs, released before the unit's
+    # backward, that its cache keeps to the recompute.
+    cached: list = field(default_factory=list)
     # A module called several times (a layer shared across depth, as ALBERT's): checkpoint
     # wraps every call, and each call is one part: (f0, f1, b0, b1, dropped, held,
-    # transient), as the fields above are for a single call. The fields above then span
+    # transient, cached), as the fields above are for a single call. The fields above then span
     # the calls (f0 of the first, f1 of the last, ...); units exclude each other where
     # their calls' forward ranges overlap (conflicts).
     parts: list = field(default_factory=list)
@@ -139,7 +143,7 @@ class CheckpointProblem:
         for c, xi in zip(self.candidates, x):
             if not xi:
                 continue
-            for f0, f1, b0, b1, dropped, held, transient in _parts(c):
+            for f0, f1, b0, b1, dropped, held, transient, cached in _parts(c):
                 if rng_state:
                     tensors.append(TensorInfo(
                         id=next_id, nbytes=rng_state, size=rng_state, shape=(rng_state,),
@@ -157,10 +161,11 @@ class CheckpointProblem:
                         again.id, again.alloc_op, again.phase = next_id, b0, BACKWARD
                         next_id += 1
                         tensors.append(again)
-                for tid in held:
-                    t = copy.copy(tensors[tid])
-                    t.freed_before = max(t.freed_before, b1 + 1)
-                    tensors[tid] = t
+                for ids, end in ((held, b1 + 1), (cached, b0 + 1)):
+                    for tid in ids:
+                        t = copy.copy(tensors[tid])
+                        t.freed_before = max(t.freed_before, end)
+                        tensors[tid] = t
                 if transient:
                     op = copy.copy(ops[b0])
                     op.scratch += transient
@@ -176,9 +181,9 @@ class CheckpointProblem:
 
 
 def _parts(c: Candidate) -> list[tuple]:
-    """A candidate's calls as (f0, f1, b0, b1, dropped, held, transient): its parts, or
-    itself for a unit called once."""
-    return c.parts or [(c.f0, c.f1, c.b0, c.b1, c.dropped, c.held, c.transient)]
+    """A candidate's calls as (f0, f1, b0, b1, dropped, held, transient, cached): its
+    parts, or itself for a unit called once."""
+    return c.parts or [(c.f0, c.f1, c.b0, c.b1, c.dropped, c.held, c.transient, c.cached)]
 
 
 def _spans(c: Candidate) -> list[tuple[int, int]]:
@@ -186,9 +191,12 @@ def _spans(c: Candidate) -> list[tuple[int, int]]:
     return [(p[0], p[1]) for p in _parts(c)]
 
 
-def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held):
+def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held, kept=frozenset(), cached=()):
     """Change in live bytes at every op when the module [f0..f1]/[b0..b1] is checkpointed
-    dropping ``dropped``, and the recompute transient (see the module docstring)."""
+    dropping ``dropped``, holding ``held`` to its backward's end and ``cached`` to its
+    recompute (b0), and the recompute transient (see the module docstring). ``kept``:
+    ids of the tensors of the unit that the selective policy keeps, which its recompute
+    reads instead of making them."""
     d = np.zeros(n + 1, dtype=np.int64)
     dropped_ids = {t.id for t in dropped}
     for t in dropped:
@@ -199,19 +207,31 @@ def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held):
     for t in held:
         d[t.freed_before] += t.size
         d[min(b1 + 1, n)] -= t.size
+    for t in cached:
+        d[t.freed_before] += t.size
+        d[min(b0 + 1, n)] -= t.size
     d = np.cumsum(d[:-1])
-    # Recompute transient: the module's forward again, less what is live anyway at b0
-    # (the dropped tensors are counted there already, as they are re-made).
+    # Recompute transient: the module's forward again, on top of what is live anyway at
+    # b0: every re-made tensor is counted there already, and what the selective policy
+    # keeps is not made again. The recompute's temporaries come while only the tensors
+    # re-made before them exist: at each of its ops, those plus the temporaries then,
+    # less all the re-made ones.
     live = np.zeros(f1 - f0 + 2, dtype=np.int64)
+    remade = np.zeros(f1 - f0 + 2, dtype=np.int64)
+    for t in dropped:
+        if t.freed_before is None or t.freed_before > b0:
+            remade[t.alloc_op - f0] += t.size
     for i in range(f0, f1 + 1):
         for t in by_alloc.get(i, ()):
-            if t.id in dropped_ids or t.phase != FORWARD:
+            if t.id in dropped_ids or t.id in kept or t.phase != FORWARD:
                 continue
             stop = f1 + 1 if t.freed_before is None else min(t.freed_before, f1 + 1)
             live[i - f0] += t.size
             live[max(stop, i + 1) - f0] -= t.size
-    live = np.cumsum(live)[:-1] + np.array([g.ops[i].scratch for i in range(f0, f1 + 1)])
-    transient = int(live.max()) if len(live) else 0
+    remade = np.cumsum(remade)[:-1]
+    live = (np.cumsum(live)[:-1] + np.array([g.ops[i].scratch for i in range(f0, f1 + 1)])
+            + remade - (remade[-1] if len(remade) else 0))
+    transient = max(int(live.max()), 0) if len(live) else 0
     d[b0] += transient
     return d, transient
 
@@ -397,7 +417,7 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                     for t in freed_fwd.get(i, ()):
                         if t.alloc_op < f0 and f0 <= t.last_use <= f1:
                             held.append(t)
-            per_call.append((f0, f1, b0, b1, dropped, held))
+            per_call.append((f0, f1, b0, b1, dropped, held, kept_out))
         # Two ways to checkpoint the unit: recompute all of it, or (selective
         # checkpointing) keep the outputs of its compute-bound ops and recompute the rest.
         all_dropped = [t for call in per_call for t in call[4]]
@@ -414,25 +434,34 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         for policy in variants:
             d = np.zeros(n, dtype=np.int64)
             parts, moved = [], 0.0
-            for f0, f1, b0, b1, dropped, held in per_call:
+            for f0, f1, b0, b1, dropped, held, kept_out in per_call:
                 drop = dropped if policy == FULL else [t for t in dropped
                                                        if not is_compute_bound(t.op)]
-                keep = held
+                keep, cached, kept = held, [], frozenset()
                 if policy == SAVE_COMPUTE:
                     # The selective policy caches *every* compute-bound output of the unit
                     # until the recompute reads it back, even those autograd would have let
-                    # go earlier (the unit's output, once the next layer's backward is done).
+                    # go earlier. Measured (traced with the plan applied, and in real CPU
+                    # steps): one the unit returns is kept to the end of the unit's
+                    # backward; the others go when the recompute is over.
+                    heavy = [t for i in range(f0, f1 + 1) for t in by_alloc.get(i, ())
+                             if is_compute_bound(t.op)]
+                    kept = {t.id for t in heavy}
                     heavy_ids = {t.id for t in dropped if is_compute_bound(t.op)}
-                    keep = held + [t for i in range(f0, f1 + 1) for t in by_alloc.get(i, ())
-                                   if is_compute_bound(t.op) and t.id not in heavy_ids
-                                   and t.phase == FORWARD and t.freed_before is not None
-                                   and t.freed_before < b1 + 1]
-                dc, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep)
+                    for t in heavy:
+                        if (t.id in heavy_ids or t.phase != FORWARD or t.freed_before is None
+                                or t.freed_before >= b1 + 1):
+                            continue
+                        if (t.alloc_op, t.nbytes) in kept_out:
+                            keep = keep + [t]
+                        elif t.freed_before < b0 + 1:
+                            cached.append(t)
+                dc, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep, kept, cached)
                 if rng_state:
                     dc[f0:b1 + 1] += rng_state
                 d += dc
                 parts.append((f0, f1, b0, b1, [t.id for t in drop], [t.id for t in keep],
-                              transient))
+                              transient, [t.id for t in cached]))
                 if policy == FULL:
                     moved += float(nbytes[f0:f1 + 1].sum())
                 else:
@@ -452,6 +481,7 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                                    [i for p in parts for i in p[5]],
                                    max(p[6] for p in parts), saved,
                                    speed.seconds(fl or 0.0, moved), fl, policy,
+                                   cached=[i for p in parts for i in p[7]],
                                    parts=parts if len(parts) > 1 else []))
             deltas.append(d)
     delta = np.stack(deltas) if deltas else np.zeros((0, n), dtype=np.int64)
