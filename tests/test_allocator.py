@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import re
+
 import pytest
 
 from pymemplan import _core
@@ -209,6 +211,31 @@ def test_torch_expandable_segments_fail_cleanly_when_the_device_is_full():
     check_invariants(a, dev, {p: 50 * MiB})
     q = a.malloc(9 * MiB)  # what is mapped still serves
     check_invariants(a, dev, {p: 50 * MiB, q: 9 * MiB})
+
+
+@pytest.mark.parametrize("policy,config", [
+    ("pymemplan", ""), ("pymemplan-vmm", ""), ("pymemplan-planned", ""), ("torch", ""),
+    ("torch", EXPANDABLE), ("nocache", "")])
+def test_a_request_larger_than_the_device_fails_at_once_and_leaves_nothing(policy, config):
+    # Virtual-memory policies reserved the request's address range, with bookkeeping per
+    # page, before failing: 4.6 GB of host memory for a 2**48-byte request, std::bad_alloc
+    # (and a leaked reservation) at 2**55, and a 16 TiB segment left cached after the OOM.
+    # The OOM message counted unmapped address space as cached free memory.
+    dev, a = make(policy, config, capacity=64 * MiB)
+    p = a.malloc(40 * MiB)
+    for size in (2**48, 2**55, 2**62):
+        with pytest.raises(_core.OutOfMemoryError, match="exceeds the device's memory"):
+            a.malloc(size)
+    assert len(a.snapshot()["segments"]) == 1 and dev.live_reservations <= 1
+    with pytest.raises(_core.OutOfMemoryError) as e:
+        a.malloc(40 * MiB)
+    message = str(e.value)
+    cached = re.search(r"of which (\S+ \S+) is cached free", message).group(1)
+    assert cached in ("0 B", "24.00 MiB"), message  # at most what is mapped and unused
+    check_invariants(a, dev, {p: 40 * MiB})
+    a.free(p)
+    a.empty_cache()
+    assert a.stats()["reserved_bytes.all.current"] == 0 and dev.used == 0
 
 
 # --- Our policy ---

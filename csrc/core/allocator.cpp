@@ -420,6 +420,13 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
     *oom = oom_message(size, rounded, stream, "the request alone exceeds the memory limit");
     return nullptr;
   }
+  // Checked first: a request no device memory could hold must not reserve its address
+  // range (with bookkeeping per page) on the way to failing.
+  if (device_->capacity() != 0 && rounded > device_->capacity()) {
+    ++stats_.num_ooms;
+    *oom = oom_message(size, rounded, stream, "the request alone exceeds the device's memory");
+    return nullptr;
+  }
   Pool& pool = pool_for(rounded);
   const bool virtual_memory = config_.vmm;
   Block* b = find_free_block(pool, rounded, stream);
@@ -2176,12 +2183,29 @@ void CachingAllocator::delete_block(Block* b) {
 
 std::string CachingAllocator::oom_message(std::size_t size, std::size_t rounded, StreamId stream,
                                           const char* reason) const {
+  // Cached free: free bytes that pages back. A free block of a virtual segment is address
+  // space, backed only where its pages are mapped (the rest costs nothing and is not memory).
+  const std::size_t page = std::max<std::size_t>(device_->granularity(), 1);
+  auto backed = [&](const Block* b) -> std::size_t {
+    if (b->unmapped) return 0;
+    const Segment* seg = b->segment;
+    if (seg == nullptr || seg->pages.empty()) return b->size;
+    std::size_t n = 0;
+    for (std::uintptr_t p = b->addr / page * page; p < b->addr + b->size; p += page) {
+      const std::size_t i = (p - seg->addr) / page;
+      if (i < seg->pages.size() && seg->pages[i] != 0) {
+        n += std::min(p + page, b->addr + b->size) - std::max(p, b->addr);
+      }
+    }
+    return n;
+  };
   std::size_t largest_free = 0;
   std::int64_t free_cached = 0;
   for (const Pool* pool : {&small_, &large_}) {
     for (const Block* b : pool->free) {
-      largest_free = std::max(largest_free, b->size);
-      free_cached += static_cast<std::int64_t>(b->size);
+      const std::size_t n = backed(b);
+      largest_free = std::max(largest_free, n);
+      free_cached += static_cast<std::int64_t>(n);
     }
   }
   const std::int64_t allocated = stats_.allocated_bytes[kAllPools].current;
@@ -2195,8 +2219,9 @@ std::string CachingAllocator::oom_message(std::size_t size, std::size_t rounded,
     << format_bytes(static_cast<long long>(device_->capacity()));
   if (limit_ != 0) m << ", memory limit " << format_bytes(static_cast<long long>(limit_));
   m << ".";
-  // Fragmentation is the cause only when the cached free bytes would have been enough.
-  if (free_cached >= static_cast<std::int64_t>(rounded) && largest_free < rounded) {
+  // Fragmentation is the cause only when the cached free bytes would have been enough (and
+  // not with virtual memory, which maps free pages anywhere into a request).
+  if (!config_.vmm && free_cached >= static_cast<std::int64_t>(rounded) && largest_free < rounded) {
     m << " Free memory is fragmented: no free block is large enough for this request.";
   }
   return m.str();

@@ -64,6 +64,10 @@ void* SimulatedDevice::reserve_address(std::size_t bytes) {
                       " bytes is not a positive multiple of the granularity");
   }
   const std::uintptr_t addr = next_addr_;
+  if (bytes > UINTPTR_MAX - addr) {
+    throw DeviceError("simulated device: no address range of " + std::to_string(bytes) +
+                      " bytes is left");
+  }
   next_addr_ += bytes;
   reservations_.emplace(addr, bytes);
   return reinterpret_cast<void*>(addr);
