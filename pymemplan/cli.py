@@ -32,7 +32,10 @@ def _replay(args: argparse.Namespace) -> int:
             if args.save_plans is not None:
                 _save_plans_option(args.save_plans, replayed)
             if args.restarted:
-                results.append(_restarted_row(trace, args.capacity, args.granularity))
+                planned = [p for p in policies if p.split("=")[0] == "pymemplan-planned"]
+                for spec in planned or ["pymemplan-planned"]:
+                    results.append(_restarted_row(trace, spec, args.capacity, args.granularity,
+                                                  plans))
             if args.offline:
                 results.append(_offline_row(trace, args.granularity))
     except (TraceError, _core.AllocatorError, ValueError, OSError) as e:
@@ -87,15 +90,17 @@ OFFLINE = "offline (knows the trace)"
 RESTARTED = "pymemplan-planned, restarted"
 
 
-def _restarted_row(trace, capacity, granularity) -> dict:
-    """A row for pymemplan-planned replaying the trace again with the plans its first replay
-    ended with, as a restarted job would (pymemplan.save_plans / load_plans)."""
+def _restarted_row(trace, spec, capacity, granularity, plans=None) -> dict:
+    """A row for the pymemplan-planned policy ``spec`` (its config included) replaying the
+    trace again with the plans its first replay (from ``plans``, as --plans gives) ended
+    with, as a restarted job would (pymemplan.save_plans / load_plans)."""
     from .traces.replay import replay
 
-    first = replay(trace, ["pymemplan-planned"], capacity=capacity, granularity=granularity)[0]
-    again = replay(trace, ["pymemplan-planned"], capacity=capacity, granularity=granularity,
+    first = replay(trace, [spec], capacity=capacity, granularity=granularity, plans=plans)[0]
+    again = replay(trace, [spec], capacity=capacity, granularity=granularity,
                    plans=first.plans)[0]
-    return {**again.to_dict(), "policy": RESTARTED}
+    name = RESTARTED if spec == "pymemplan-planned" else f"{spec}, restarted"
+    return {**again.to_dict(), "policy": name}
 
 
 def _offline_row(trace, granularity) -> dict:
@@ -137,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                          "that knew the whole trace in advance would hold (every block placed "
                          "offline), to tell how much of the waste an allocator could avoid")
     rp.add_argument("--restarted", action="store_true",
-                    help="add a row per trace: pymemplan-planned replaying it again with the "
-                         "plans its first replay ended with, as a job restarted with "
-                         "pymemplan.load_plans would")
+                    help="add a row per trace and pymemplan-planned policy (with its "
+                         "config, and --plans): replaying it again with the plans its first "
+                         "replay ended with, as a job restarted with pymemplan.load_plans "
+                         "would")
     rp.add_argument("--plans", metavar="FILE",
                     help="pymemplan-planned starts with the plans in FILE (written by "
                          "pymemplan.save_plans, enable(plans=...) or --save-plans), as a job "

@@ -18,16 +18,24 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative: {value!r}")
-        return int(value)
-    m = _PATTERN.match(str(value))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"not a size: {value!r}; write a number of bytes or a number with a unit, "
-            "e.g. 4096, '512MiB', '80GiB', '1.5GB'")
-    return int(float(m.group(1)) * _UNITS[unit])
+        number, unit = value, ""
+    else:
+        m = _PATTERN.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"not a size: {value!r}; write a number of bytes or a number with a unit, "
+                "e.g. 4096, '512MiB', '80GiB', '1.5GB'")
+        number = float(m.group(1))
+    if number != number:  # NaN
+        raise ValueError(f"not a size: {value!r}")
+    if number < 0:
+        raise ValueError(f"a size cannot be negative: {value!r}")
+    bytes_ = number * _UNITS[unit]
+    # Nothing is that large: 2**63 bytes is 8 EiB (and what the allocator's counters hold).
+    if bytes_ >= 2**63:
+        raise ValueError(f"a size too large: {value!r} (the most is 2**63 - 1 bytes)")
+    return int(bytes_)
 
 
 def format_bytes(n: int | float) -> str:

@@ -206,6 +206,8 @@ def test_budget_too_small_says_what_is_achievable(stack):
     assert t.plan(least, model=model, inputs=(x,)).predicted_peak_bytes <= least
     with pytest.raises(PlannerError, match="not a size"):
         t.plan("lots", model=model, inputs=(x,))
+    with pytest.raises(PlannerError, match="too large"):
+        t.plan(float("inf"), model=model, inputs=(x,))
     with pytest.raises(PlannerError, match="chain"):
         t.plan(least, model=model, inputs=(x,), solver="chain-dp")
 

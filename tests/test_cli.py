@@ -64,6 +64,8 @@ def test_replay_table_output(capsys):
     (["--policy", "jemalloc"], "unknown allocator policy 'jemalloc'"),
     (["--policy", "torch=max_split_size_mb:abc"], "bad value 'abc'"),
     (["--capacity", "lots"], "not a size"),
+    (["--capacity", "1e400"], "a size too large"),    # an OverflowError's traceback before
+    (["--granularity", "1e30"], "a size too large"),  # a pybind11 TypeError's before
     (["no/such/file.csv"], "no/such/file.csv"),
 ])
 def test_replay_bad_arguments_say_what_is_wrong(capsys, argv, message):
@@ -171,6 +173,18 @@ def test_replay_restarted_row_replays_with_the_first_replays_plans(capsys):
     assert restarted["peak_live_bytes"] == first["peak_live_bytes"]
     assert restarted["peak_reserved_bytes"] < first["peak_reserved_bytes"]
     assert restarted["steady_from_event"] < first["steady_from_event"]
+
+
+def test_replay_restarted_row_keeps_the_policys_config(capsys):
+    """The restarted row replays the pymemplan-planned policy given, with its config (it
+    replayed the default config whatever was given)."""
+    trace = str(DATA / "gpt2_6l_s512.csv.gz")
+    spec = "pymemplan-planned=vmm:False"
+    first, restarted = run_json(capsys, trace, "--policy", spec, "--restarted")
+    assert restarted["policy"] == f"{spec}, restarted"
+    [default_restarted] = run_json(capsys, trace, "--policy", "pymemplan-planned",
+                                   "--restarted")[1:]
+    assert restarted["peak_reserved_bytes"] != default_restarted["peak_reserved_bytes"]
 
 
 def test_replay_saves_plans_and_starts_from_a_plans_file(capsys, tmp_path):
