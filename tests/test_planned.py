@@ -1342,3 +1342,20 @@ def test_holes_over_the_fake_driver_keep_every_block_intact():
         assert lib.pymemplan_empty_cache(0) == 0
         assert fake.fakecuda_bytes_in_use(0) == 0 and fake.fakecuda_live_mappings() == 0
     """, policy=POLICY, config="oom_action:null", FAKECUDA_CAPACITY=str(2 << 30))
+
+
+def test_without_virtual_memory_a_plan_is_held_to_what_the_pool_reached_alone():
+    # tests/data/random_loop_novmm.csv.gz, a random training loop found by a red-team
+    # search. Without virtual memory each arena is a segment of its own beside the pool's;
+    # plans were accepted against the highest reserved so far, which counted the earlier
+    # arenas, and that limit rose with each arming: 1.51 of live, where the pool alone
+    # holds 1.001. Now every arming is held to what the pool reached with no arena. The
+    # pool still grows beside an armed plan that mostly falls back (1.26 of live here:
+    # what is left to do for vmm:False).
+    from pymemplan.traces import read_trace
+    from pymemplan.traces.replay import replay
+
+    trace = read_trace(Path(__file__).parent / "data" / "random_loop_novmm.csv.gz")
+    pool, planned = replay(trace, ["pymemplan", "pymemplan-planned=vmm:False"])
+    assert pool.reserved_over_live < 1.002
+    assert planned.reserved_over_live < 1.3

@@ -550,6 +550,9 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     out = pool_->try_malloc(static_cast<std::int64_t>(size), stream);
     ++fallbacks_;
   }
+  if (arena_ == 0) {
+    pool_only_high_ = std::max(pool_only_high_, static_cast<std::int64_t>(pool_->reserved_bytes()));
+  }
 
   Event e;
   e.token = token;
@@ -976,6 +979,13 @@ bool PlannedAllocator::arm(int v) {
   const double slack = 1.0 + static_cast<double>(config_.plan_slack) / 1000.0;
   auto limit = std::min(arm_cap_, std::max(static_cast<std::size_t>(high),
                         static_cast<std::size_t>(static_cast<double>(live_hwm_) * slack)));
+  if (!config_.pool.vmm) {
+    // Without virtual memory an arena is a segment of its own, beside the pool's cached
+    // ones: the highest reserved so far counts earlier arenas, and limits measured against
+    // it rose with each arming (a random loop at 1.51 of live, against 1.001 for the pool
+    // alone). Held to what the pool reached with no arena.
+    limit = std::min(limit, static_cast<std::size_t>(pool_only_high_));
+  }
   if (p.imported) {
     // A plan of an earlier run, early in this one: the peak so far (a first step, before the
     // optimizer made its state) is no measure of what the steps ahead will take. It may take

@@ -362,6 +362,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t pass_start_ = kNever;     // event index of the pass's first request
   bool pass_failed_ = false;              // a request of the pass could not be served (OOM)
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
+  std::int64_t pool_only_high_ = 0;  // highest reserved after a request, with no arena
   std::size_t arm_cap_ = std::numeric_limits<std::size_t>::max();  // see boundary()
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
