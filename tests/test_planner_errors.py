@@ -122,6 +122,16 @@ def test_other_bad_arguments():
         pymemplan.trace(model, (x,), loss_fn=mean_loss, autocast=torch.float64)
     with pytest.raises(PlannerError, match="nn.Module"):
         pymemplan.trace(lambda x: x, (x,), loss_fn=mean_loss)
+    # A TorchScript submodule: named, where hooks could not be registered before.
+    scripted = nn.Sequential(nn.Linear(8, 8), torch.jit.script(nn.Linear(8, 8)))
+    with pytest.raises(PlannerError, match="'1' is a TorchScript module"):
+        pymemplan.trace(scripted, (x,), loss_fn=mean_loss)
+    t = pymemplan.trace(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1)), (x,),
+                        loss_fn=mean_loss, device="cpu")
+    with pytest.raises(PlannerError, match="count of tensors"):
+        t.tensors_at_peak(-1)
+    with pytest.raises(PlannerError, match="policies must be some of"):
+        t.plan(t.peak_bytes, policies=("bogus",))
     # A failed trace leaves the model as it was.
     model.train(False)
     with pytest.raises(UntraceableError):

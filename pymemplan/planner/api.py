@@ -278,6 +278,9 @@ class MemoryTrace:
     def tensors_at(self, index: int, k: int | None = None) -> list[LiveTensor]:
         """Tensors live at op `index`, largest first; the op's kernel scratch, if any, is
         listed as a tensor of dtype uint8 named "kernel scratch"."""
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise PlannerError(f"k must be a count of tensors (an int >= 0) or None for all, "
+                               f"got {k!r}")
         live = [self._live(t) for t in live_at(self.graph, index)]
         op = self.graph.ops[index] if self.graph.ops else None
         if op is not None and op.scratch:

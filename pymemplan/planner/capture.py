@@ -1107,6 +1107,13 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
             del exc
             rec.leave_module()  # returns None: the output stays as it is
 
+        scripted = [name or "the model" for name, m in model.named_modules()
+                    if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            raise PlannerError(
+                f"{scripted[0]!r} is a TorchScript module (torch.jit.script/trace), whose "
+                f"ops run inside TorchScript where the tracer cannot see or attribute them; "
+                f"trace the eager module it was made from instead")
         for mname, m in model.named_modules():
             hooks.append(m.register_forward_pre_hook(enter(mname)))
             hooks.append(m.register_forward_hook(leave, always_call=True))

@@ -278,6 +278,10 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     backward: 5,056 bytes on this torch, outside the dispatcher, so no trace sees it."""
     import fnmatch
     speed = speed or DeviceSpeed()
+    unknown = [p for p in policies if p not in (FULL, SAVE_COMPUTE)]
+    if unknown or not policies:
+        raise PlannerError(f"policies must be some of {FULL!r} and {SAVE_COMPUTE!r}, got "
+                           f"{tuple(policies)!r}")
     if BACKWARD not in g.phase_starts:
         raise PlannerError("the traced step has no backward pass, so there is nothing to "
                            "checkpoint; trace a training step (the loss must need grad)")
