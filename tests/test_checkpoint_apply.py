@@ -261,6 +261,15 @@ def test_a_hugging_face_kv_cache_is_off_while_a_plan_is_applied():
     assert model.__dict__.get("_pymemplan_use_cache") is None
 
 
+def measured_with(plan, model, inputs, loss):
+    """The peak of a real CPU step of ``model`` with ``plan`` applied (removed after)."""
+    plan.apply(model)
+    try:
+        return measure_step(model, inputs, loss_fn=loss).peak_bytes
+    finally:
+        plan.remove(model)
+
+
 def test_a_plan_is_made_for_the_step_with_the_cache_off_as_applied():
     # GPT-NeoX keeps more for backward with use_cache off (7.5% here), which is how a plan
     # applied runs it. Made from the step with the cache on, a plan at 80% of the peak was
@@ -276,11 +285,7 @@ def test_a_plan_is_made_for_the_step_with_the_cache_off_as_applied():
     budget = int(0.8 * t.peak_bytes)
     plan = t.plan(budget, model=model, inputs=(ids,), verify=False)
     assert model.config.use_cache is True  # as it was, once the plan is made
-    plan.apply(model)
-    try:
-        measured = measure_step(model, (ids,), loss_fn=loss).peak_bytes
-    finally:
-        plan.remove(model)
+    measured = measured_with(plan, model, (ids,), loss)
     assert measured <= budget
     assert abs(plan.predicted_peak_bytes - measured) <= 1e-3 * measured, \
         (plan.predicted_peak_bytes, measured)
@@ -761,11 +766,7 @@ def test_albert_layers_shared_across_depth_are_planned_and_hold_in_a_real_step()
         budget = int(fraction * t.peak_bytes)
         plan = t.plan(budget, model=model, inputs=(ids,))
         assert plan.modules and all(m.startswith(shared) for m in plan.modules)
-        plan.apply(model)
-        try:
-            measured = measure_step(model, (ids,), loss_fn=loss).peak_bytes
-        finally:
-            plan.remove(model)
+        measured = measured_with(plan, model, (ids,), loss)
         assert measured <= budget
         # Within 0.1% over, and bytes under.
         assert -1e-4 * measured <= plan.predicted_peak_bytes - measured <= 1e-3 * measured, \
