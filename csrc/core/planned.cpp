@@ -550,7 +550,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     out = pool_->try_malloc(static_cast<std::int64_t>(size), stream);
     ++fallbacks_;
   }
-  if (arena_ == 0) {
+  if (!config_.pool.vmm && arena_ == 0) {  // see arm()
     pool_only_high_ = std::max(pool_only_high_, static_cast<std::int64_t>(pool_->reserved_bytes()));
   }
 

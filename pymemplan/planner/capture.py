@@ -265,16 +265,18 @@ class _Recorder:
         return True
 
     def _note_sum(self, func, args, kwargs, out, outs, index, node) -> None:
-        """Watch an ``add`` of two gradients of the same size in backward (see
-        _settle_sum): the autograd engine's sum of two contributions to one gradient."""
+        """Watch, in backward, an op the real step makes in place where the trace makes a
+        new tensor (see _settle_sum): a scatter into zeros (_note_scatter), or an ``add`` of
+        two gradients of the same size, the autograd engine's sum of two contributions to
+        one gradient."""
         import torch
 
-        if (self.merge_in_place_sums and not self.grads_present and self.phase == BACKWARD
-                and self._note_scatter(func, args, out, outs, index)):
+        if not self.merge_in_place_sums or self.grads_present or self.phase != BACKWARD:
             return
-        if (not self.merge_in_place_sums or self.grads_present or self.phase != BACKWARD or func is not torch.ops.aten.add.Tensor or kwargs
-                or len(args) != 2 or len(outs) != 1 or outs[0] is None
-                or not isinstance(out, torch.Tensor)):
+        if self._note_scatter(func, args, out, outs, index):
+            return
+        if (func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2
+                or len(outs) != 1 or outs[0] is None or not isinstance(out, torch.Tensor)):
             return
         a, b = args  # the engine's ``old_var + var``: the buffered gradient first
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
@@ -290,12 +292,10 @@ class _Recorder:
         if a.stride() != out.stride() or a._is_view():
             return
         key_a, key_b = self.live.get(_storage_key(a)), self.live.get(_storage_key(b))
-        if key_a is None or key_a == key_b:
+        if key_a is None or key_a == key_b or not self._engine_sum(key_a, key_b, node,
+                                                                    b._is_view()):
             return
-        operands = [key_a]
-        if not self._engine_sum(key_a, key_b, node, b._is_view()):
-            return
-        self.sum_watch = (index, outs[0][0], operands, [])
+        self.sum_watch = (index, outs[0][0], [key_a], [])
 
     def _engine_sum(self, a, b, node, b_view=False) -> bool:
         """Whether an add of tensors ``a`` and ``b`` (ids) under autograd node ``node`` can be
