@@ -174,6 +174,12 @@ class _Recorder:
         if key not in self.live:
             self._new(t, category, BEFORE_STEP, name=name)
 
+    def made_outside(self, t, name: str) -> None:
+        """A tensor of the target device made during the step outside the dispatcher."""
+        if _storage_key(t) not in self.live:
+            self._new(t, TEMPORARY, len(self.ops), op=name, module=self.module_now(),
+                      phase=self.phase, name=name)
+
     def register_host(self, t) -> None:
         key = _storage_key(t)
         if key not in self.host:
@@ -637,6 +643,32 @@ def _dispatch_mode(rec: _Recorder):
             return rec.dispatch(func, args, kwargs)
 
     return _RecorderMode()
+
+
+@contextlib.contextmanager
+def rng_states_recorded(rec: _Recorder, profile: DeviceProfile):
+    """Record the CPU generator's state that ``torch.utils.checkpoint`` saves at each
+    checkpointed call to replay its random ops (preserve_rng_state), as a tensor of the
+    step: made outside the dispatcher, no mode sees it, and on the CPU target it is device
+    memory (5,056 bytes on this torch), held until the call's backward. On CUDA the saved
+    states are host tensors."""
+    import torch
+
+    if profile.name != "cpu":
+        yield
+        return
+    real = torch.get_rng_state
+
+    def get_rng_state():
+        state = real()
+        rec.made_outside(state, "checkpoint: saved RNG state")
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = real
 
 
 def _function_mode(rec: _Recorder, overrides: dict):
@@ -1162,7 +1194,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
         try:
-            with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)):
+            with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)), \
+                    rng_states_recorded(rec, profile):
                 # The fake state stays in place through backward, not just the forward
                 # (as functional_call would): activation checkpointing re-runs modules'
                 # forward during backward.

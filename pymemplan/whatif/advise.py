@@ -419,15 +419,7 @@ class _Advisor:
         """(peak of live bytes, peak reserved or None on CPU, fits)."""
         if cfg not in self._measured:
             t = self.trace(cfg)
-            peak = t.peak_bytes
-            if cfg.checkpoint:
-                from ..planner.checkpoint.problem import checkpoint_rng_bytes, checkpointed_calls
-
-                # The RNG state each call of a checkpointed unit saves outside the dispatcher
-                # (CPU target), held to its backward: at the peak at most, as verification
-                # counts.
-                peak += checkpoint_rng_bytes(self.device) * checkpointed_calls(
-                    t.graph.meta, dict(cfg.checkpoint))
+            peak = t.peak_bytes  # checkpoint's saved RNG states included (CPU target)
             reserved = None
             if self.device == "cuda":
                 cap = max(4 * peak, 1 << 30)

@@ -694,7 +694,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
     from ..planner.capture import (_backward, _check_loss, _describe_inputs, _fake_like,
                                    _first_step_events, _function_mode, _to_loss, _untraceable,
                                    backward_phase, begin_first_step, finish_recording,
-                                   real_storages)
+                                   real_storages, rng_states_recorded)
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
@@ -892,7 +892,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         phase_starts: dict[str, int] = {}
         state.rec = rec
         try:
-            with fake_mode, mode, _function_mode(rec, kernel_overrides(profile)):
+            with fake_mode, mode, _function_mode(rec, kernel_overrides(profile)), \
+                    rng_states_recorded(rec, profile):
                 phase_starts[FORWARD] = len(rec.ops)
                 loss = step()
                 activations = backward_phase(rec, loss, phase_starts)

@@ -241,19 +241,17 @@ def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
     the budget less the excess, up to ``VERIFY_ROUNDS`` times. If none fits, the plan
     that traced lowest is returned with a warning (its ``verified_peak_bytes`` says by
     how much it misses), or no plan at all where every one traced above the step without
-    one. On the CPU target each unit's saved RNG state, which no trace sees, is added to
-    the traced peak (problem.checkpoint_rng_bytes). The model is left as it was."""
+    one. The trace counts the RNG state checkpoint saves at each call (CPU target). The
+    model is left as it was."""
     import warnings
 
     from .apply_eager import apply, checkpointed_modules, remove
-    from .problem import checkpoint_rng_bytes, checkpointed_calls
 
     if checkpointed_modules(model):
         raise PlannerError("verifying a plan applies it to the model, which already has a "
                            "plan applied: call plan.remove(model) first, or pass "
                            "verify=False")
     budget, target = pl.budget_bytes, pl.budget_bytes
-    rng_state = checkpoint_rng_bytes(pl.problem.graph.device)
     tried = []
     for round_ in range(VERIFY_ROUNDS + 1):
         if not pl.recomputed:
@@ -261,11 +259,7 @@ def verify_plan(pl: Plan, retrace, model, inputs, unplanned_peak: int, *,
         else:
             apply(model, pl.policies)
             try:
-                # Every call of a unit is counted as holding its RNG state at the peak: an
-                # upper bound.
-                traced = retrace(model, inputs)
-                peak = int(traced.peak_bytes) + rng_state * checkpointed_calls(
-                    traced.graph.meta, pl.policies)
+                peak = int(retrace(model, inputs).peak_bytes)
             finally:
                 remove(model)
         pl.verified_peak_bytes = peak

@@ -275,7 +275,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     containing one is a candidate (its recompute would not compute the same).
     On the CPU target, each checkpointed unit also holds the CPU RNG state
     ``torch.utils.checkpoint`` saves at its forward (to replay dropout), until its
-    backward: 5,056 bytes on this torch, outside the dispatcher, so no trace sees it."""
+    backward: 5,056 bytes on this torch. The step traced with the unit checkpointed has it
+    (capture.rng_states_recorded); the unplanned step does not."""
     import fnmatch
     speed = speed or DeviceSpeed()
     unknown = [p for p in policies if p not in (FULL, SAVE_COMPUTE)]
@@ -559,14 +560,6 @@ def _changes_state(path: str, mutated_state) -> str | None:
         if m == path or not path or m.startswith(path + "."):
             return m
     return None
-
-
-def checkpointed_calls(meta: dict, units) -> int:
-    """How many checkpointed calls ``units`` (module paths, or Sequential runs) make in a
-    step, by the calls the trace counted (``meta["module_calls"]``): each call saves its
-    own RNG state."""
-    counts = meta.get("module_calls") or {}
-    return sum(counts.get(u, 1) for u in units)
 
 
 def checkpoint_rng_bytes(device: str) -> int:
