@@ -682,6 +682,37 @@ def test_scatters_into_zeros_in_backward_are_in_place_as_in_eager(select):
     assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
+class _CTC(torch.nn.Module):
+    """A speech head with a CTC loss, its lengths given as lists or as tensors."""
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.lin, self.lengths = torch.nn.Linear(40, 30), lengths
+
+    def forward(self, x, targets):
+        log_probs = self.lin(x).log_softmax(-1)
+        steps, batch, width = x.shape[0], x.shape[1], targets.shape[1]
+        if self.lengths == "ints":
+            return F.ctc_loss(log_probs, targets, [steps] * batch, [width] * batch)
+        full = torch.full((batch,), steps, dtype=torch.long)
+        if self.lengths == "tensors, flat targets":
+            return F.ctc_loss(log_probs, targets.reshape(-1), full,
+                              torch.full((batch,), width, dtype=torch.long))
+        return F.ctc_loss(log_probs, targets, full, torch.full((batch,), width, dtype=torch.long),
+                          reduction="sum", zero_infinity=True)
+
+
+@pytest.mark.parametrize("lengths", ["ints", "tensors", "tensors, flat targets"])
+def test_ctc_loss_is_traced_with_its_forward_variables(lengths):
+    # Fake tensors refused _ctc_loss (its output is sized by the target lengths), and its
+    # composite wrote the int lengths into a tensor's memory: it was untraceable.
+    torch.manual_seed(0)
+    model, inputs = _CTC(lengths), (torch.randn(200, 8, 40), torch.randint(1, 30, (8, 60)))
+    predicted = pymemplan.trace(model, inputs, device="cpu").peak_bytes
+    measured = measure_step(model, inputs).peak_bytes
+    assert abs(predicted - measured) <= 256, (predicted, measured)
+
+
 class _SelfCheckpointed(torch.nn.Module):
     """Blocks the model checkpoints itself, as Hugging Face's gradient checkpointing does."""
 

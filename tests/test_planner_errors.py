@@ -209,3 +209,57 @@ def test_sparse_gradients_are_a_clear_error():
     ids = torch.randint(0, 1000, (8, 4))
     with pytest.raises(UntraceableError, match=r"does not model sparse tensors yet .*sparse=False"):
         pymemplan.trace(model, (ids,), loss_fn=lambda o: o.sum(), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float64, torch.bfloat16])
+def test_inputs_of_the_wrong_dtype_are_refused_as_eager_refuses_them(dtype):
+    # The fake matmul kernels do not check dtypes: a Long input to a float Linear traced
+    # and got a peak for a step eager cannot run.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    x = torch.ones(8, 16, dtype=dtype)
+    with pytest.raises(RuntimeError):
+        model(x)
+    with pytest.raises(UntraceableError, match=r"(?s)same dtype.*inputs fit the model"):
+        pymemplan.trace(model, (x,), loss_fn=lambda o: o.float().sum(), device="cpu")
+
+
+class Converts(nn.Module):
+    """Converts a submodule in forward, as Switch Transformers' router does."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype, self.router, self.body = dtype, nn.Linear(16, 4), nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.router = self.router.to(self.dtype)
+        return self.body(x) * self.router(x).softmax(-1).sum(-1, keepdim=True)
+
+
+def test_a_conversion_in_forward_that_changes_nothing_traces():
+    from pymemplan.planner.measure import measure_step
+
+    model, x = Converts(torch.float32), torch.randn(32, 16)
+    predicted = pymemplan.trace(model, (x,), loss_fn=mean_loss, device="cpu").peak_bytes
+    assert predicted == measure_step(model, (x,), loss_fn=mean_loss).peak_bytes
+    # ... and the model's parameters are still the real ones afterwards.
+    assert not isinstance(model.router.weight, torch._subclasses.FakeTensor)
+
+
+def test_a_conversion_in_forward_that_changes_dtype_is_a_clear_error():
+    model = Converts(torch.float64)
+    with pytest.raises(PlannerError, match="'router' converts its parameters.*before tracing"):
+        pymemplan.trace(model, (torch.randn(32, 16),), loss_fn=mean_loss, device="cpu")
+    assert model.router.weight.dtype == torch.float32
+
+
+def test_a_tensor_value_used_as_a_python_value_gets_the_value_hint():
+    class Experts(nn.ModuleDict):
+        def __init__(self):
+            super().__init__({f"e{i}": nn.Linear(8, 8) for i in range(2)})
+
+        def forward(self, x):
+            pick = x.argmax(-1)[0]
+            return self[f"e{pick}"](x)  # a tensor formatted into a key
+
+    with pytest.raises(UntraceableError, match="uses the value of a tensor.*Code that needs"):
+        pymemplan.trace(Experts(), (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu")

@@ -548,6 +548,7 @@ def run_op(func, args, kwargs, nonzero_density=None):
     value-dependent sizes (:func:`_at_density`). Otherwise the kernel's error stands.
     Every pass that runs a model on fake tensors (capture, sharded warm-up, the checkpoint
     planner's forward) goes through it, so that they all see the same ops."""
+    _check_matmul_dtypes(func, args)
     # Before the fake kernel, which would log its refusal at error level on every call.
     out = _grouped_mm_any_dtype(func, args, kwargs)
     if out is not None:
@@ -555,10 +556,68 @@ def run_op(func, args, kwargs, nonzero_density=None):
     try:
         return func(*args, **(kwargs or {}))
     except RuntimeError:
-        out = _at_density(func, args, kwargs, nonzero_density)
+        out = _ctc_loss_outputs(func, args, kwargs)
+        if out is None:
+            out = _at_density(func, args, kwargs, nonzero_density)
         if out is None:
             raise
         return out
+
+
+def _matmul_ops():
+    import torch
+
+    aten = torch.ops.aten
+    return (aten.mm.default, aten.addmm.default, aten.mv.default, aten.addbmm.default)
+
+
+def _check_matmul_dtypes(func, args) -> None:
+    """The dtype check of eager matmuls that their fake kernels leave out (CPU and CUDA
+    alike: "mat1 and mat2 must have the same dtype"). Without it, a model fed inputs of the
+    wrong dtype (int64 token ids into a Linear, float64 data into a float32 model) traced
+    and got a peak for a step that cannot run. bmm, baddbmm, dot, addmv and convolutions
+    check in their fake kernels already."""
+    import torch
+
+    if func not in _matmul_ops():
+        return
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    if len(set(dtypes)) > 1:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise RuntimeError(f"{func.overloadpacket.__name__}'s operands must have the same dtype "
+                           f"(as in eager), but got {names}")
+
+
+def _ctc_loss_outputs(func, args, kwargs):
+    """``aten._ctc_loss`` on fake tensors, which refuse it: its second output, the forward
+    variables (batch, input length, 2 * the longest target + 1), is sized by the target
+    lengths. Given as Python ints (``F.ctc_loss(..., [64] * B, [10] * B)``), they are
+    known. Given as tensors (Hugging Face's CTC heads), their values are not, and the
+    longest target is taken as the targets' padded width (2-D targets), which no target
+    exceeds, or their mean length (1-D concatenated targets). None for any other op."""
+    import torch
+
+    aten = torch.ops.aten
+    if func not in (aten._ctc_loss.default, aten._ctc_loss.Tensor):
+        return None
+    kw = dict(kwargs or {})
+    names = ("log_probs", "targets", "input_lengths", "target_lengths")
+    vals = list(args[:4]) + [kw.get(n) for n in names[len(args):4]]
+    log_probs, targets, _, target_lengths = vals
+    batched = log_probs.dim() == 3
+    batch = log_probs.shape[1] if batched else 1
+    if isinstance(target_lengths, torch.Tensor):
+        if targets.dim() == 2:
+            longest = targets.shape[1]
+        else:
+            longest = -(-targets.numel() // max(batch, 1))
+    else:
+        longest = max(target_lengths, default=0)
+    loss_shape = (batch,) if batched else ()
+    alpha_shape = ((batch,) if batched else ()) + (log_probs.shape[0], 2 * longest + 1)
+    device = log_probs.device
+    return (torch.empty(loss_shape, dtype=log_probs.dtype, device=device),
+            torch.empty(alpha_shape, dtype=log_probs.dtype, device=device))
 
 
 def _at_density(func, args, kwargs, density):
@@ -669,6 +728,40 @@ def rng_states_recorded(rec: _Recorder, profile: DeviceProfile):
         yield
     finally:
         torch.get_rng_state = real
+
+
+@contextlib.contextmanager
+def conversions_in_forward(model):
+    """Let a module convert itself in forward where that changes nothing, as Switch
+    Transformers' router does (``self.classifier = self.classifier.to(self.dtype)``):
+    ``Module._apply`` swaps each parameter for its converted self, which fails on the fake
+    ones the step runs with. A conversion that would change a tensor (another dtype or
+    device) makes new parameters mid-step, which the planner does not model: that is a
+    clear error naming the module."""
+    import torch
+
+    real = torch.nn.Module._apply
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def _apply(module, fn, recurse=True):
+        mods = module.modules() if recurse else (module,)
+        tensors = [t for m in mods for t in (*m._parameters.values(), *m._buffers.values())
+                   if t is not None]
+        with torch.no_grad():
+            if all(fn(t) is t for t in tensors):
+                return module
+        where = repr(names[id(module)]) if names.get(id(module)) else "the model"
+        raise PlannerError(
+            f"module {where} converts its parameters or buffers to another dtype or device "
+            f"inside forward ({type(module).__name__}.to/.half/.float/.cuda), which the "
+            f"planner does not model: convert the model before tracing it, so that the "
+            f"conversion in forward changes nothing")
+
+    torch.nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = real
 
 
 def _function_mode(rec: _Recorder, overrides: dict):
@@ -992,6 +1085,12 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
             value_dependent = isinstance(err, GuardOnDataDependentSymNode)
         except ImportError:  # pragma: no cover - older torch
             pass
+    if not value_dependent and "FakeTensor(" in str(err):
+        # A tensor's value used as a Python value: formatted into a key (Switch
+        # Transformers' f"expert_{idx[0]}"), compared, hashed.
+        return UntraceableError(
+            f"cannot trace the {phase} pass: {where} uses the value of a tensor as a Python "
+            f"value ({type(err).__name__}: {err}). {_VALUE_HINT}")
     if value_dependent:
         return UntraceableError(
             f"cannot trace the {phase} pass: op {op} in {where} needs the value of a tensor "
@@ -1195,7 +1294,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                else contextlib.nullcontext())
         try:
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)), \
-                    rng_states_recorded(rec, profile):
+                    rng_states_recorded(rec, profile), conversions_in_forward(model):
                 # The fake state stays in place through backward, not just the forward
                 # (as functional_call would): activation checkpointing re-runs modules'
                 # forward during backward.

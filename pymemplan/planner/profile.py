@@ -165,10 +165,41 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
     return input.copy_(out) if inplace else out
 
 
+def ctc_loss_int_lengths(log_probs, targets, input_lengths, target_lengths, blank=0,
+                         reduction="mean", zero_infinity=False):
+    """``ctc_loss`` with lengths given as Python ints, as its composite kernel runs it
+    (aten/src/ATen/native/LossCTC.cpp, ``ctc_loss``), in ops fake tensors can run: the
+    composite turns the lengths into a tensor by writing into its memory, which a fake
+    tensor has none of. The cuDNN path (int32 targets on the host) is not modelled."""
+    import torch
+
+    if isinstance(input_lengths, torch.Tensor) or isinstance(target_lengths, torch.Tensor):
+        # The torch-function layer is off while its replacements run: the real function.
+        return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths,
+                                            blank, reduction, zero_infinity)
+    if isinstance(reduction, int):  # torch.ctc_loss's enum: 0 none, 1 mean, 2 sum
+        reduction = ("none", "mean", "sum")[reduction]
+    batched = log_probs.dim() == 3
+    lp = log_probs if batched else log_probs.unsqueeze(1)
+    res = torch.ops.aten._ctc_loss(lp, targets.to(lp.device, torch.long), list(input_lengths),
+                                   list(target_lengths), blank, zero_infinity)[0]
+    if zero_infinity:
+        res = torch.where(res == float("inf"), torch.zeros((), dtype=res.dtype,
+                                                            device=res.device), res)
+    if reduction == "mean":
+        lengths = torch.tensor(list(target_lengths), dtype=res.dtype, device=res.device)
+        return (res / lengths.clamp_min(1)).mean()
+    if reduction == "sum":
+        return res.sum()
+    return res if batched else res.squeeze(0)
+
+
 def kernel_overrides(profile: DeviceProfile) -> dict:
     """torch function -> replacement, for the torch-function layer of capture."""
-    if not profile.cuda_kernels:
-        return {}
+    import torch
     import torch.nn.functional as F
 
-    return {F.scaled_dot_product_attention: cuda_sdpa, F.dropout: cuda_dropout}
+    general = {F.ctc_loss: ctc_loss_int_lengths, torch.ctc_loss: ctc_loss_int_lengths}
+    if not profile.cuda_kernels:
+        return general
+    return {**general, F.scaled_dot_product_attention: cuda_sdpa, F.dropout: cuda_dropout}

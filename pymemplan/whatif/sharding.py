@@ -694,7 +694,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
     from ..planner.capture import (_backward, _check_loss, _describe_inputs, _fake_like,
                                    _first_step_events, _function_mode, _to_loss, _untraceable,
                                    backward_phase, begin_first_step, finish_recording,
-                                   real_storages, rng_states_recorded)
+                                   real_storages, rng_states_recorded,
+                                   conversions_in_forward)
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
@@ -893,7 +894,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         state.rec = rec
         try:
             with fake_mode, mode, _function_mode(rec, kernel_overrides(profile)), \
-                    rng_states_recorded(rec, profile):
+                    rng_states_recorded(rec, profile), conversions_in_forward(fmodel):
                 phase_starts[FORWARD] = len(rec.ops)
                 loss = step()
                 activations = backward_phase(rec, loss, phase_starts)
