@@ -60,7 +60,26 @@ _VALUE_HINT = (
 # the ops that make the zeros they scatter into (_note_scatter).
 _SCATTERS = frozenset({"aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default",
                        "aten.index_add.default", "aten.index_put.default",
-                       "aten.masked_scatter.default"})
+                       "aten.masked_scatter.default", "aten.put.default",  # take's
+                       "aten.index_fill.int_Tensor", "aten.index_fill.int_Scalar"})  # trace's
+# Backward formulas that run an op in place on a temporary they made, and out of place when
+# any tensor is a subclass (FunctionsManual.cpp; the ops as torch 2.14 runs them):
+# autograd node -> {op: the ops that may have made the chain's first tensor}. Only there:
+# the same op elsewhere is out of place in eager too (BCE with logits' target gradient
+# without pos_weight is ``-self * grad``).
+_BCEWL_ROOTS = frozenset({"aten.add.Scalar", "aten.sigmoid.default",
+                          "aten.log_sigmoid_forward.default"})
+_INPLACE_IN_EAGER = {
+    # binary_cross_entropy_with_logits_backward and _target_backward, with pos_weight:
+    # t.add(1).sub_(target).mul_(sigmoid).sub_(t), .mul_(grad), .mul_(weight), and
+    # log_sigmoid(-x).sub_(log_sigmoid(x).mul_(pos_weight)).mul_(grad)
+    "BinaryCrossEntropyWithLogitsBackward0": {"aten.sub.Tensor": _BCEWL_ROOTS,
+                                              "aten.mul.Tensor": _BCEWL_ROOTS},
+    # binary_cross_entropy_target_backward: logit(self).neg_().mul_(grad).mul_(weight)
+    "BinaryCrossEntropyBackward0": {"aten.mul.Tensor": frozenset({"aten.logit.default"})},
+    # clamp_backward with tensor bounds: where(...).masked_fill_(...)
+    "ClampBackward0": {"aten.masked_fill.Scalar": frozenset({"aten.where.self"})},
+}
 _ZEROS = frozenset({"aten.zeros_like.default", "aten.zeros.default",
                     "aten.new_zeros.default"})
 
@@ -117,6 +136,8 @@ class _Recorder:
         # operand ids, operand ids freed since).
         self.sum_watch: tuple | None = None
         self.sum_aliases: list[tuple[int, int]] = []  # (operand, sum): see _settle_sum
+        # (operand, result, op index, roots): ops in place in eager (_note_inplace)
+        self.inplace_ops: list[tuple[int, int, int, frozenset]] = []
         # In backward: the autograd node (name, sequence number) current when each tensor
         # was made, and when an op last read it (_note_sum tells the engine's sums apart).
         self.made_in_node: dict[int, tuple] = {}
@@ -206,6 +227,22 @@ class _Recorder:
             return
         self.sum_aliases.append((target, result))
 
+    def _note_inplace(self, name, node, node_key, args, outs, index) -> None:
+        """Note, in backward, an op that the running formula makes in place in eager on a
+        temporary it made (_INPLACE_IN_EAGER); settled in merge_sums, once it is known
+        whether anything read the temporary after the op."""
+        import torch
+
+        ops = _INPLACE_IN_EAGER.get(node)
+        if ops is None or name not in ops or len(outs) != 1 or outs[0] is None:
+            return
+        a = args[0] if args else None
+        if not isinstance(a, torch.Tensor) or a._is_view():
+            return
+        tid = self.live.get(_storage_key(a))
+        if tid is not None and self.made_in_node.get(tid) == node_key:
+            self.inplace_ops.append((tid, outs[0][0], index, ops[name]))
+
     def merge_sums(self) -> None:
         """Each sum that eager autograd makes in place (_settle_sum) becomes its operand's
         storage living on: the operand takes the sum's release, last use and role, and the
@@ -216,13 +253,24 @@ class _Recorder:
         all the same (measured on GPT-2)."""
         root: dict[int, int] = {}
         chains: dict[int, list[int]] = {}
-        for operand, result in self.sum_aliases:
+        sums: set[int] = set()  # chains with an engine sum
+        aliases = [(operand, result, -1, None) for operand, result in self.sum_aliases]
+        for operand, result, index, roots in sorted(aliases + self.inplace_ops,
+                                                    key=lambda a: self.tensors[a[1]].alloc_op):
             first = root.get(operand, operand)
+            if roots is not None:  # an op in place in eager: its operand read by no later op
+                info, made = self.tensors[operand], self.tensors[result]
+                if (info.last_use != index or info.nbytes != made.nbytes
+                        or info.dtype != made.dtype or self.tensors[first].op not in roots):
+                    continue
+            else:
+                sums.add(first)
             root[result] = first
             chains.setdefault(first, []).append(result)
         for first, results in chains.items():
             keep = self.tensors[first]
-            if keep.alloc_op < 0 or any(self.tensors[r].category == GRADIENT for r in results):
+            if keep.alloc_op < 0 or (first in sums and any(
+                    self.tensors[r].category == GRADIENT for r in results)):
                 continue
             for result in results:
                 gone = self.tensors[result]
@@ -231,6 +279,7 @@ class _Recorder:
                 keep.category = gone.category
                 gone.size = gone.nbytes = 0
         self.sum_aliases.clear()
+        self.inplace_ops.clear()
 
     def close(self) -> None:
         self._settle_sum()
@@ -470,6 +519,7 @@ class _Recorder:
             except Exception:  # an overload the formula does not cover: no FLOPs known
                 op.flops = 0.0
         self._note_sum(func, args, kwargs, out, outs, index, node_key)
+        self._note_inplace(name, node, node_key, args, outs, index)
         if node_key is not None:
             for k in in_keys:
                 tid = self.live.get(k)

@@ -194,12 +194,29 @@ def ctc_loss_int_lengths(log_probs, targets, input_lengths, target_lengths, blan
     return res if batched else res.squeeze(0)
 
 
+def linear_bias_in_place(input, weight, bias=None):
+    """``F.linear`` as eager runs it on an input it does not flatten into one ``addmm``
+    (aten/src/ATen/native/Linear.cpp, ``linear``: not 2-D, and not contiguous 3-D or
+    contiguous with a 1-D bias): a ``matmul``, then the bias added in place. With any
+    tensor a subclass, as fake tensors are, the bias is added out of place instead, and
+    the matmul's output and the sum are both alive at the add (a Linear on a transposed
+    input was predicted up to 73% high)."""
+    import torch
+
+    flattened = input.dim() == 2 or (input.is_contiguous() and (
+        input.dim() == 3 or (bias is not None and bias.dim() == 1)))
+    if bias is None or flattened or not isinstance(bias, torch.Tensor):
+        return torch.nn.functional.linear(input, weight, bias)
+    return torch.nn.functional.linear(input, weight).add_(bias)
+
+
 def kernel_overrides(profile: DeviceProfile) -> dict:
     """torch function -> replacement, for the torch-function layer of capture."""
     import torch
     import torch.nn.functional as F
 
-    general = {F.ctc_loss: ctc_loss_int_lengths, torch.ctc_loss: ctc_loss_int_lengths}
+    general = {F.ctc_loss: ctc_loss_int_lengths, torch.ctc_loss: ctc_loss_int_lengths,
+               F.linear: linear_bias_in_place}
     if not profile.cuda_kernels:
         return general
     return {**general, F.scaled_dot_product_attention: cuda_sdpa, F.dropout: cuda_dropout}
