@@ -110,6 +110,22 @@ def test_torch_roundup_power2_divisions():
     assert a.round_size(1000) == 1024  # below 512 B * divisions: plain 512 B rounding
 
 
+def test_torch_roundup_power2_divisions_per_size_interval():
+    # PyTorch's list form: sizes in MiB (powers of two) and the divisions from each one on,
+    # the first also below it, ">" every interval above the last one named.
+    _, a = make("torch", "roundup_power2_divisions:[2:2,256:1,>:4]")
+    assert a.round_size(MiB + 1) == int(1.5 * MiB)             # below 2 MiB: 2
+    assert a.round_size(3 * MiB + 1) == 4 * MiB                 # [2, 4 MiB): 2
+    assert a.round_size(5 * MiB + 1) == 5 * MiB + 512           # [4, 256): unset, 512 B
+    assert a.round_size(300 * MiB + 1) == 300 * MiB + 512       # [256, 512): 1, off
+    assert a.round_size(600 * MiB + 1) == 640 * MiB             # from 512 MiB: 4 steps
+    assert a.round_size(40 * 1024 * MiB + 1) == 48 * 1024 * MiB
+    assert "roundup_power2_divisions:[1:2,2:2,4:0," in _core.parse_config(
+        "torch", "roundup_power2_divisions:[2:2,256:1,>:4]")
+    # The same through pymemplan-planned, whose own keys are split off first.
+    make("pymemplan-planned", "roundup_power2_divisions:[256:1,>:4],min_period:32")
+
+
 def test_torch_never_reuses_across_streams():
     _, a = make("torch")
     p = a.malloc(4 * MiB, stream=1)
@@ -625,6 +641,10 @@ def test_double_free_of_a_block_waiting_on_events():
     ("torch", "max_split_size_mb:abc", "bad value 'abc' for 'max_split_size_mb'"),
     ("torch", "max_split_size_mb:10", "expected an integer > 20"),
     ("torch", "roundup_power2_divisions:3", "power of two"),
+    ("torch", "roundup_power2_divisions:[300:1,>:4]", "power-of-two sizes in MiB"),
+    ("torch", "roundup_power2_divisions:[256:3]", "power of two"),
+    ("torch", "roundup_power2_divisions:[256:1", "bad value"),
+    ("pymemplan-planned", "foo:1", "unknown key 'foo' for policy 'pymemplan-planned'"),
     ("torch", "release_before_grow:True", "unknown key 'release_before_grow'"),
     ("pymemplan", "release_before_grow:maybe", "True or False"),
     ("pymemplan", "max_split_size_mb", "not of the form key:value"),

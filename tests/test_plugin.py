@@ -325,6 +325,17 @@ def test_bad_config_is_rejected():
     assert r.returncode != 0 and "expected raise or null" in r.stderr
 
 
+def test_a_list_of_divisions_configures_the_plugin_as_pytorch_reads_it():
+    # Commas inside the brackets belong to the value (PyTorch's list form).
+    ok("""
+        p = alloc(600 * MiB + 1)
+        assert p, err()
+        assert stats()["allocated_bytes.all.current"] == 640 * MiB
+        free(p)
+    """, policy="torch", config="roundup_power2_divisions:[256:1,>:4],oom_action:null",
+       FAKECUDA_CAPACITY=1 << 30)
+
+
 # --- Virtual memory (pymemplan-vmm) through the driver's cuMem* calls ---
 
 VMM_PRELUDE = """

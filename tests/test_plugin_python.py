@@ -86,6 +86,12 @@ def test_config_keywords_become_the_plugin_string():
         _config.parse_config("oom_action:null,oom_action:raise")
     with pytest.raises(ValueError, match="cannot be empty or contain"):
         _config.format_config({"max_split_size_mb": "1,2"})
+    # PyTorch's list form keeps its commas.
+    text = "policy:torch,roundup_power2_divisions:[256:1,>:4],max_split_size_mb:256"
+    assert _config.parse_config(text) == (
+        "torch", {"roundup_power2_divisions": "[256:1,>:4]", "max_split_size_mb": "256"})
+    assert _config.format_config({"roundup_power2_divisions": "[256:1,>:4]"}) == \
+        "roundup_power2_divisions:[256:1,>:4]"
 
 
 def test_same_effective_config_compares_equal():

@@ -258,9 +258,11 @@ def test_torch_policy_follows_pytorch_cuda_alloc_conf():
     assert policy(None) == policy("") == ("torch", [])
     assert policy("expandable_segments:True,garbage_collection_threshold:0.6") == (
         "torch=expandable_segments:True", ["garbage_collection_threshold:0.6"])
-    # A list of divisions (commas inside brackets) is left out, whole; other keys stay.
-    assert policy("max_split_size_mb:256,roundup_power2_divisions:[256:1,>:8]") == (
-        "torch=max_split_size_mb:256", ["roundup_power2_divisions:[256:1,>:8]"])
+    # A list of divisions (commas inside brackets) is one setting, modelled too.
+    assert policy("max_split_size_mb:256,roundup_power2_divisions:[256:1,>:8],"
+                  "garbage_collection_threshold:0.6") == (
+        "torch=max_split_size_mb:256,roundup_power2_divisions:[256:1,>:8]",
+        ["garbage_collection_threshold:0.6"])
     assert policy("backend:cudaMallocAsync") == ("torch", ["backend:cudaMallocAsync"])
     with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF='expandable_segments:yes'.*"
                                          "True or False"):

@@ -127,7 +127,7 @@ std::size_t CachingAllocator::round_size(std::size_t size) const {
   // torch: round_size(): at least kMinBlockSize, multiples of 512 B, or power-of-two
   // divisions when roundup_power2_divisions is set and the size is above 512 B * divisions.
   if (size < kMinBlockSize) return kMinBlockSize;
-  std::size_t div = config_.roundup_power2_divisions;
+  std::size_t div = config_.divisions_for(size);
   if (div > 1 && size > kMinBlockSize * div) return roundup_power2_next_division(size, div);
   return round_up(size, kMinBlockSize);
 }

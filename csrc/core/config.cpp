@@ -1,5 +1,6 @@
 #include "config.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -23,7 +24,9 @@ constexpr const char* kMediumSegmentValues =
 constexpr KeyInfo kKeys[] = {
     {"max_split_size_mb", "an integer > 20 (MiB)", false},
     {"max_non_split_rounding_mb", "an integer >= 0 (MiB)", false},
-    {"roundup_power2_divisions", "0 or a power of two between 1 and 64", false},
+    {"roundup_power2_divisions",
+     "0 or a power of two up to 64, or a list [MiB:divisions,...,>:divisions] with power-of-two "
+     "sizes in MiB, as in PYTORCH_CUDA_ALLOC_CONF", false},
     {"release_before_grow", "True or False", true},
     {"cross_stream_reuse", "True or False", true},
     {"medium_segment_mb", kMediumSegmentValues, true},
@@ -83,6 +86,93 @@ bool parse_bool(const std::string& key, const std::string& value) {
 
 }  // namespace
 
+std::vector<std::string> split_config_items(const std::string& conf) {
+  std::vector<std::string> out(1);
+  int depth = 0;
+  for (char ch : conf) {
+    if (ch == '[') ++depth;
+    if (ch == ']') --depth;
+    if (ch == ',' && depth <= 0) {
+      out.emplace_back();
+    } else {
+      out.back() += ch;
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// PyTorch's roundup_power2_divisions (AllocatorConfig.cpp parseRoundUpPower2Divisions): one
+// number for every size, or a list of MiB:divisions pairs, each power-of-two size setting
+// its interval (the first one also every interval below it), and >:divisions every interval
+// above the last one named.
+void parse_divisions(const std::string& key, const std::string& value,
+                     std::size_t (&table)[PolicyConfig::kDivisionIntervals]) {
+  const char* expected =
+      "0 or a power of two up to 64, or a list [MiB:divisions,...,>:divisions] with "
+      "power-of-two sizes in MiB";
+  auto divisions = [&](const std::string& v) {
+    long long d = parse_int(key, v, expected);
+    if (d < 0 || d > 64 || (d & (d - 1)) != 0) bad_value(key, value, expected);
+    return static_cast<std::size_t>(d);
+  };
+  const std::size_t n = PolicyConfig::kDivisionIntervals;
+  if (value.empty() || value.front() != '[') {
+    std::size_t d = divisions(value);
+    for (std::size_t i = 0; i < n; ++i) table[i] = d;
+    return;
+  }
+  if (value.back() != ']') bad_value(key, value, expected);
+  for (std::size_t i = 0; i < n; ++i) table[i] = 0;
+  std::stringstream pairs(value.substr(1, value.size() - 2));
+  std::string pair;
+  bool first = true;
+  std::size_t last = 0;
+  while (std::getline(pairs, pair, ',')) {
+    auto colon = pair.find(':');
+    if (colon == std::string::npos) bad_value(key, value, expected);
+    const std::string size = trim(pair.substr(0, colon));
+    const std::size_t d = divisions(trim(pair.substr(colon + 1)));
+    if (size == ">") {
+      for (std::size_t i = last + 1; i < n; ++i) table[i] = d;
+      continue;
+    }
+    long long mb = parse_int(key, size, expected);
+    if (mb <= 0 || (mb & (mb - 1)) != 0) bad_value(key, value, expected);
+    std::size_t index = 0;
+    while ((1LL << (index + 1)) <= mb) ++index;
+    index = std::min(index, n - 1);
+    if (first) {
+      for (std::size_t i = 0; i < index; ++i) table[i] = d;
+      first = false;
+    }
+    table[index] = d;
+    last = index;
+  }
+}
+
+std::string divisions_to_string(const std::size_t (&table)[PolicyConfig::kDivisionIntervals]) {
+  bool same = true;
+  for (std::size_t d : table) same = same && d == table[0];
+  if (same) return std::to_string(table[0]);
+  std::string out = "[";
+  for (std::size_t i = 0; i < PolicyConfig::kDivisionIntervals; ++i) {
+    out += (i ? "," : "") + std::to_string(1ULL << i) + ":" + std::to_string(table[i]);
+  }
+  return out + "]";
+}
+
+}  // namespace
+
+std::size_t PolicyConfig::divisions_for(std::size_t size) const {
+  // PyTorch: index = log2(size) - log2(1 MiB), at least 0, at most 15.
+  std::size_t log = 0;
+  while (log < 63 && (std::size_t{2} << log) <= size) ++log;
+  std::size_t index = log > 20 ? log - 20 : 0;
+  return roundup_power2_divisions[std::min(index, kDivisionIntervals - 1)];
+}
+
 std::vector<std::string> PolicyConfig::policy_names() {
   // pymemplan-planned is built by the factory (planned.cpp) around a pymemplan pool.
   return {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache"};
@@ -118,9 +208,7 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     throw AllocatorError("unknown allocator policy '" + policy + "': valid policies are " + names);
   }
 
-  std::stringstream items(conf);
-  std::string item;
-  while (std::getline(items, item, ',')) {
+  for (std::string item : split_config_items(conf)) {
     item = trim(item);
     if (item.empty()) continue;
     auto colon = item.find(':');
@@ -150,10 +238,7 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       if (mb < 0 || mb > (1LL << 40)) bad_value(key, value, "an integer >= 0 (MiB)");
       c.max_non_split_rounding = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "roundup_power2_divisions") {
-      const char* expected = "0 or a power of two between 1 and 64";
-      long long d = parse_int(key, value, expected);
-      if (d < 0 || d > 64 || (d & (d - 1)) != 0) bad_value(key, value, expected);
-      c.roundup_power2_divisions = static_cast<std::size_t>(d);
+      parse_divisions(key, value, c.roundup_power2_divisions);
     } else if (key == "release_before_grow") {
       c.release_before_grow = parse_bool(key, value);
     } else if (key == "medium_segment_mb") {
@@ -190,7 +275,7 @@ std::string PolicyConfig::to_string() const {
     put("max_split_size_mb", std::to_string(max_split_size / kMiB));
   }
   put("max_non_split_rounding_mb", std::to_string(max_non_split_rounding / kMiB));
-  put("roundup_power2_divisions", std::to_string(roundup_power2_divisions));
+  put("roundup_power2_divisions", divisions_to_string(roundup_power2_divisions));
   if (kind == PolicyKind::Torch) put("expandable_segments", expandable_segments ? "True" : "False");
   if (kind == PolicyKind::Pymemplan) {
     put("release_before_grow", release_before_grow ? "True" : "False");

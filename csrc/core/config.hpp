@@ -18,6 +18,10 @@ enum class PolicyKind {
   NoCache,    // one device allocation per request (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
 };
 
+// Items of a "key:value,..." config, split at the commas outside brackets: a list value
+// ("roundup_power2_divisions:[256:1,>:4]") keeps its commas.
+std::vector<std::string> split_config_items(const std::string& conf);
+
 struct PolicyConfig {
   PolicyKind kind = PolicyKind::Pymemplan;
 
@@ -25,8 +29,12 @@ struct PolicyConfig {
   std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
   // An oversize cached block serves a request only if it wastes less than this.
   std::size_t max_non_split_rounding = 20 * kMiB;
-  // Round requests up to one of this many divisions between powers of two (0: off).
-  std::size_t roundup_power2_divisions = 0;
+  // Round requests up to one of this many divisions between powers of two (0 or 1: off),
+  // per size interval as PyTorch keeps them: [0] for sizes up to 2 MiB, [k] for
+  // [2^k, 2^(k+1)) MiB, [15] from 32 GiB up (AllocatorConfig.cpp).
+  static constexpr std::size_t kDivisionIntervals = 16;
+  std::size_t roundup_power2_divisions[kDivisionIntervals] = {};
+  std::size_t divisions_for(std::size_t size) const;
   // Before a new segment would raise peak reserved memory, release wholly free cached
   // segments first (ours only; PyTorch releases cached segments only after a failed cudaMalloc).
   bool release_before_grow = true;

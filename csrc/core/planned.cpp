@@ -103,9 +103,7 @@ std::string planned_keys() {
 PlannedConfig PlannedConfig::parse(const std::string& conf) {
   PlannedConfig c;
   std::string rest;  // keys of the pool, parsed by PolicyConfig
-  std::stringstream items(conf);
-  std::string item;
-  while (std::getline(items, item, ',')) {
+  for (std::string item : split_config_items(conf)) {
     item = trim(item);
     if (item.empty()) continue;
     const auto colon = item.find(':');
@@ -139,8 +137,13 @@ PlannedConfig PlannedConfig::parse(const std::string& conf) {
   try {
     c.pool = PolicyConfig::parse("pymemplan-vmm", rest);
   } catch (const AllocatorError& e) {
-    throw AllocatorError(std::string(e.what()) + "; policy 'pymemplan-planned' also takes: " +
-                         planned_keys());
+    // The pool's keys are checked as pymemplan-vmm's: name the policy the user gave.
+    std::string what = e.what();
+    const std::string pool = "policy 'pymemplan-vmm'";
+    for (auto at = what.find(pool); at != std::string::npos; at = what.find(pool, at)) {
+      what.replace(at, pool.size(), "policy 'pymemplan-planned'");
+    }
+    throw AllocatorError(what + "; policy 'pymemplan-planned' also takes: " + planned_keys());
   }
   if (c.min_period > c.max_period) {
     throw AllocatorError("allocator config: min_period (" + std::to_string(c.min_period) +

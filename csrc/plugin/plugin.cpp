@@ -119,10 +119,8 @@ class InFlight {
 PluginConfig parse_plugin_config(const std::string& policy, const std::string& conf) {
   PluginConfig out;
   out.policy = policy;
-  std::stringstream items(conf);
-  std::string item;
   std::string rest;
-  while (std::getline(items, item, ',')) {
+  for (const std::string& item : split_config_items(conf)) {
     const auto colon = item.find(':');
     std::string key = item.substr(0, colon);
     key.erase(0, key.find_first_not_of(" \t"));

@@ -18,15 +18,32 @@ def format_value(value: Any) -> str:
     return str(value).strip()
 
 
+def split_items(text: str) -> list[str]:
+    """"a:1,b:[256:1,>:4]" -> ["a:1", "b:[256:1,>:4]"]: split at the commas outside
+    brackets, as PyTorch reads a list value (roundup_power2_divisions)."""
+    items, depth, item = [], 0, ""
+    for ch in text + ",":
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth <= 0:
+            items.append(item)
+            item = ""
+        else:
+            item += ch
+    return items
+
+
 def format_config(config: Mapping[str, Any]) -> str:
     """{"max_split_size_mb": 512, "oom_action": "null"} -> "max_split_size_mb:512,oom_action:null"."""
     items = []
     for key, value in config.items():
         text = format_value(value)
-        if not text or "," in text or ":" in text:
+        is_list = text.startswith("[") and text.endswith("]")
+        if not text or (not is_list and ("," in text or ":" in text)):
             raise ValueError(
                 f"allocator config: bad value {value!r} for {key!r}: a value cannot be empty "
-                "or contain ',' or ':'")
+                "or contain ',' or ':' (but a list in brackets, as PyTorch's "
+                "roundup_power2_divisions:[256:1,>:4])")
         items.append(f"{key}:{text}")
     return ",".join(items)
 
@@ -39,7 +56,7 @@ def parse_config(text: str) -> tuple[str | None, dict[str, str]]:
     """
     policy = None
     config: dict[str, str] = {}
-    for item in text.split(","):
+    for item in split_items(text):
         item = item.strip()
         if not item:
             continue
@@ -70,5 +87,5 @@ def canonical(policy: str, config: Mapping[str, Any]) -> tuple[str, str, str]:
 
         text = _core.parse_config(policy, text)
     except Exception:  # an invalid config, or no _core: compare what was asked, sorted
-        text = ",".join(sorted(text.split(",")))
+        text = ",".join(sorted(split_items(text)))
     return policy, text, oom_action

@@ -90,20 +90,16 @@ def torch_policy_from_conf(conf: str | None) -> tuple[str, list[str]]:
     from .. import _core
     from ..traces.replay import parse_policy
 
-    kept, left, depth, item = [], [], 0, ""
-    for ch in (conf or "") + ",":
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            key, _, value = item.strip().partition(":")
-            if key.strip():
-                if key.strip() in _MODELLED_KEYS and not value.strip().startswith("["):
-                    kept.append(f"{key.strip()}:{value.strip()}")
-                else:
-                    left.append(item.strip())
-            item = ""
-        else:
-            item += ch
+    from ..allocator._config import split_items
+
+    kept, left = [], []
+    for item in split_items(conf or ""):
+        key, _, value = item.strip().partition(":")
+        if key.strip():
+            if key.strip() in _MODELLED_KEYS:
+                kept.append(f"{key.strip()}:{value.strip()}")
+            else:
+                left.append(item.strip())
     policy = "torch=" + ",".join(kept) if kept else "torch"
     try:
         parse_policy(policy)
