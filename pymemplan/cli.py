@@ -71,8 +71,13 @@ def _replay(args: argparse.Namespace) -> int:
 def _read_plans_option(path: str | None) -> str | None:
     if path is None:
         return None
-    with open(path) as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--plans {path}: not a plans file (written by --save-plans or "
+                         f"pymemplan.save_plans()): it is not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
 
 
 def _save_plans_option(path: str, replayed) -> None:

@@ -208,14 +208,17 @@ def test_replay_saves_plans_and_starts_from_a_plans_file(capsys, tmp_path):
     (["--policy", "pymemplan-planned", "--plans", "BAD"],
      "import_plans: it does not start with 'pymemplan-plans'"),
     (["--policy", "pymemplan-planned", "--plans", "MISSING"], "No such file"),
+    (["--policy", "pymemplan-planned", "--plans", "BINARY"], "binary.txt: not a plans file"),
     (["--save-plans", "OUT"], "--save-plans needs a pymemplan-planned replay"),
     (["SECOND", "--policy", "pymemplan-planned", "--save-plans", "OUT"],
      "--save-plans writes the plans of one trace; 2 were given"),
 ])
 def test_replay_plans_options_say_what_is_wrong(capsys, tmp_path, argv, message):
     (tmp_path / "bad.txt").write_text("junk")
+    (tmp_path / "binary.txt").write_bytes(b"\x8d\x00\xff pymemplan")
     (tmp_path / "plans.txt").write_text("pymemplan-plans 1\npeak 0\n0\n")
     names = {"PLANS": tmp_path / "plans.txt", "BAD": tmp_path / "bad.txt",
+             "BINARY": tmp_path / "binary.txt",
              "MISSING": tmp_path / "missing.txt", "OUT": tmp_path / "out.txt",
              "SECOND": DATA / "gpt2_6l_s512.csv.gz"}
     argv = [str(names.get(a, a)) for a in argv]

@@ -220,6 +220,8 @@ OK_ROW = "1,00:00:01.000000,allocate,0x10,64,0"
     ([OK_ROW, "1,00:00:01.000000,allocate,-0x20,64,0"], 3, "pointer '-0x20' is not a hexadecimal"),
     ([OK_ROW, "1,00:00:01.000000,allocate,0x20,64,stream7"], 3, "stream 'stream7' is neither"),
     ([OK_ROW, "1,00:00:01.000000,allocate,0x20,64,7f"], 3, "stream '7f' is neither"),
+    ([OK_ROW, "1,00:00:01.000000,allocate,0x20,64,0xffffffffffffffff"], 3,
+     "stream 0xffffffffffffffff does not fit in 63 bits"),
     ([OK_ROW, "1,25:61:xx.000000,allocate,0x20,64,0"], 3, "time '25:61:xx.000000' is not HH:MM:SS"),
     (["1,1.5,allocate,0x10,64,0", "1,later,allocate,0x20,64,0"], 3, "time 'later' is not a number"),
     (["1,inf,allocate,0x10,64,0"], 2, "time 'inf' is not finite"),
@@ -345,6 +347,7 @@ def alloc(addr, size, **kw):
     ([alloc(16, 8), {"action": "free_completed", "addr": 16, "size": 4}], "event 1: free of pointer 0x10 with size 4"),
     ([alloc(16, 8, time_us="now")], "event 0: 'time_us' is 'now'"),
     (["alloc"], "event 0: expected a dict, got str"),
+    ([{"action": ["alloc"], "addr": 16, "size": 8}], "event 0: 'action' must be a string"),
 ])
 def test_snapshot_malformed_events_name_index_and_problem(tmp_path, events, problem):
     with pytest.raises(TraceError, match=f"snap.pickle: device 0, event {problem}".replace(

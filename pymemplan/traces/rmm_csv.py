@@ -248,6 +248,9 @@ def _parse_streams(values, at) -> np.ndarray:
     for v, n in parsed.items():
         if n is None:
             i = values.index(v)
+            s = v.strip()
+            if (s[:2] in ("0x", "0X") and _HEX.fullmatch(s)) or _DECIMAL.fullmatch(s):
+                raise TraceError(f"{at(i)}: stream {s} does not fit in 63 bits")
             raise TraceError(f"{at(i)}: stream {v!r} is neither 0x-prefixed hex nor decimal")
     return np.array([parsed[v] for v in values], dtype=np.int64)
 

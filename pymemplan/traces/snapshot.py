@@ -69,7 +69,8 @@ def snapshot_devices(snap: dict) -> dict[int, int]:
     """Devices with allocation events, and how many (alloc, free_completed, oom) each has."""
     counts = {}
     for d, events in enumerate(snap["device_traces"]):
-        n = sum(1 for e in events if isinstance(e, dict) and e.get("action") in _KEPT)
+        n = sum(1 for e in events if isinstance(e, dict)
+                and isinstance(e.get("action"), str) and e["action"] in _KEPT)
         if n:
             counts[d] = n
     return counts
@@ -124,6 +125,9 @@ def _device_trace(path, events: list, dev: int, counts: dict, name: str) -> Trac
         if not isinstance(e, dict):
             raise TraceError(f"{where}, event {i}: expected a dict, got {type(e).__name__}")
         act = e.get("action")
+        if not isinstance(act, str):
+            raise TraceError(f"{where}, event {i}: 'action' must be a string (such as "
+                             f"'alloc' or 'free_completed'), got {type(act).__name__}")
         if act in _IGNORED:
             continue
         code = _KEPT.get(act)
