@@ -263,3 +263,38 @@ def test_a_tensor_value_used_as_a_python_value_gets_the_value_hint():
 
     with pytest.raises(UntraceableError, match="uses the value of a tensor.*Code that needs"):
         pymemplan.trace(Experts(), (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu")
+
+
+def test_a_tensor_cached_outside_the_model_does_not_stay_fake():
+    # A model caching a table in a functools.lru_cache (BEiT's relative position index,
+    # DINOv3's patch coordinates): the trace filled the cache with a fake tensor, and every
+    # real forward after it computed on fake tensors.
+    import functools
+
+    calls = []
+
+    @functools.lru_cache(maxsize=4)
+    def table(n, d):
+        return torch.sin(torch.arange(n * d, dtype=torch.float32).reshape(n, d))
+
+    @functools.lru_cache(maxsize=None)
+    def register_once():
+        calls.append(1)
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            register_once()
+            return self.lin(x + table(x.shape[0], x.shape[1]))
+
+    x = torch.randn(8, 16)
+    pymemplan.trace(Cached(), (x,), loss_fn=mean_loss, device="cpu")
+    out = Cached()(x)
+    assert not isinstance(out, torch._subclasses.FakeTensor)
+    assert torch.isfinite(out).all()
+    # A cache that holds no fake tensor is kept: its function ran once.
+    register_once()
+    assert calls == [1]

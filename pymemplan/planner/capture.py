@@ -36,7 +36,7 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
                     TensorInfo)
 from .errors import PlannerError, UntraceableError
 from .library_shims import eager_paths
-from .module_state import kept_as_it_was
+from .module_state import function_caches_kept, kept_as_it_was
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
 
 
@@ -1221,7 +1221,7 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
     ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
     signatures whose tensors fit in that many bytes."""
     # The forward's Python side effects (state made lazily, counters) are undone after it.
-    with kept_as_it_was(model), eager_paths():
+    with kept_as_it_was(model), function_caches_kept(), eager_paths():
         return _capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                         autocast=autocast, train=train, progress=progress,
                         probe_limit=probe_limit, grads_present=grads_present,

@@ -672,8 +672,9 @@ def trace_sharded(model, inputs, *, strategy: str, world_size: int, rank: int = 
     if strategy in ("zero1",) and optimizer is None:
         raise PlannerError("zero1 shards the optimizer's state: pass optimizer=...")
     from ..planner.library_shims import eager_paths
+    from ..planner.module_state import function_caches_kept
 
-    with eager_paths():
+    with eager_paths(), function_caches_kept():
         g = _capture_sharded(model, inputs, strategy=strategy, world_size=world_size,
                              rank=rank, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                              autocast=autocast, progress=progress,

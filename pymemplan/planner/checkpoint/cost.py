@@ -152,7 +152,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             return overrides.get(func, func)(*args, **(kwargs or {}))
 
     from ..library_shims import eager_paths
-    from ..module_state import Snapshot
+    from ..module_state import Snapshot, function_caches_kept
     from .apply_eager import restored_buffers
 
     outputs: dict[str, list] = {}
@@ -212,7 +212,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             counter = FlopCounterMode(display=False)
             amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                    else contextlib.nullcontext())
-            with counter, Ops(), Kernels(), amp, eager_paths():
+            with counter, Ops(), Kernels(), amp, eager_paths(), function_caches_kept():
                 torch.func.functional_call(model, state, args)
             # Python attributes the forward rebinds (a step counter, a schedule) are state
             # as its buffers are.
