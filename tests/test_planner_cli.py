@@ -53,6 +53,12 @@ def test_trace_user_factory(tmp_path, capsys):
     (["trace", "no-such-model"], "unknown model 'no-such-model'"),
     (["trace", "missing.py:make"], "does not exist"),
     (["trace", "mlp", "--batch", "0"], "--batch must be positive"),
+    (["trace", "mlp", "--top", "-1"], "--top must be 0 or more"),
+    # Output paths are checked before the trace, which can take minutes.
+    (["trace", "mlp", "--plot", "/nonexistent/dir/x.png"], "the folder /nonexistent/dir does not exist"),
+    (["plan", "mlp", "--html", "/nonexistent/dir/x.html"], "the folder /nonexistent/dir does not exist"),
+    (["plan", "mlp", "--plot", "."], "is a folder"),
+    (["plan", "mlp", "--techniques", ",,"], "--techniques names none"),
 ])
 def test_trace_bad_arguments(argv, message, capsys):
     assert main(argv) == 2

@@ -83,6 +83,23 @@ def _optimizer(name: str):
     return cls
 
 
+def output_problem(path: str | None, flag: str) -> str | None:
+    """Why a file cannot be written at ``path`` (checked before the work, which can take
+    minutes), or None."""
+    import os
+
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{flag} {path}: the folder {folder} does not exist"
+    if os.path.isdir(path):
+        return f"{flag} {path}: is a folder, give a file name"
+    if not os.access(folder, os.W_OK):
+        return f"{flag} {path}: the folder {folder} is not writable"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -102,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"pymemplan trace: --{flag.replace('_', '-')} must be positive, got {v}",
                   file=sys.stderr)
             return 2
+    if args.top < 0:
+        print(f"pymemplan trace: --top must be 0 or more, got {args.top}", file=sys.stderr)
+        return 2
+    problem = output_problem(args.plot, "--plot")
+    if problem:
+        print(f"pymemplan trace: {problem}", file=sys.stderr)
+        return 2
     autocast = AUTOCAST[args.autocast]
     try:
         with err.status(f"building {args.model} on the meta device ...", spinner="dots") as status:

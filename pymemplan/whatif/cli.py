@@ -102,6 +102,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"pymemplan plan: --{flag.replace('_', '-')} must be positive, got {v}",
                   file=sys.stderr)
             return 2
+    from ..planner.cli import output_problem
+
+    for path, flag in ((args.plot, "--plot"), (args.html, "--html")):
+        problem = output_problem(path, flag)
+        if problem:
+            print(f"pymemplan plan: {problem}", file=sys.stderr)
+            return 2
+    techniques = [x.strip() for x in args.techniques.split(",") if x.strip()]
+    if not techniques:
+        print(f"pymemplan plan: --techniques names none; choose from {','.join(TECHNIQUES)}",
+              file=sys.stderr)
+        return 2
     policy = args.policy
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if policy is None and args.device == "cuda":
@@ -117,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
                       f"it ({policy})" + (f"; not modelled: {', '.join(left)}" if left else ""))
     model = args.model or DEFAULT_MODEL
     batch = args.batch if args.batch is not None or args.model else DEFAULT_BATCH
-    techniques = [x.strip() for x in args.techniques.split(",") if x.strip()]
     w = None
     try:
         with err.status(f"building {model} on the meta device ...", spinner="dots") as status:
