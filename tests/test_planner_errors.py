@@ -298,3 +298,14 @@ def test_a_tensor_cached_outside_the_model_does_not_stay_fake():
     # A cache that holds no fake tensor is kept: its function ran once.
     register_once()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"train": "no"}, "train must be True or False, got 'no'"),
+    ({"grads_present": 1}, "grads_present must be True or False"),
+    ({"grad_scaler": True}, "grad_scaler=True traces GradScaler's part of an optimizer step"),
+])
+def test_flags_that_are_not_flags_are_refused(kwargs, message):
+    with pytest.raises(PlannerError, match=message):
+        pymemplan.trace(nn.Linear(8, 1), (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu",
+                        **kwargs)

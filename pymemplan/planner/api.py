@@ -58,6 +58,13 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     inputs, probe_kernels = check_trace_args(model, inputs, profile, autocast=autocast,
                                              loss_fn=loss_fn, probe_kernels=probe_kernels)
     check_density(nonzero_density)
+    for name, value in (("train", train), ("grads_present", grads_present),
+                        ("grad_scaler", grad_scaler)):
+        if not isinstance(value, bool):
+            raise PlannerError(f"{name} must be True or False, got {value!r}")
+    if grad_scaler and optimizer is None:
+        raise PlannerError("grad_scaler=True traces GradScaler's part of an optimizer step "
+                           "(unscale, the inf check, the scaled step): pass optimizer=...")
     g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                 autocast=autocast, train=train, progress=progress,
                 probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
