@@ -54,6 +54,7 @@ def test_trace_user_factory(tmp_path, capsys):
     (["trace", "missing.py:make"], "does not exist"),
     (["trace", "mlp", "--batch", "0"], "--batch must be positive"),
     (["trace", "mlp", "--top", "-1"], "--top must be 0 or more"),
+    (["trace", "resnet50", "--seq-len", "5"], "'resnet50' has no sequence"),
     # Output paths are checked before the trace, which can take minutes.
     (["trace", "mlp", "--plot", "/nonexistent/dir/x.png"], "the folder /nonexistent/dir does not exist"),
     (["plan", "mlp", "--html", "/nonexistent/dir/x.html"], "the folder /nonexistent/dir does not exist"),

@@ -140,6 +140,7 @@ BUILTIN = {
     "mlp": mlp,
 }
 DEFAULT_MODEL = "gpt2"
+_NO_SEQUENCE = ("resnet50", "vit_b_16", "mlp")  # built-ins whose inputs have no length
 
 
 def _user_code_error(what: str, exc: Exception, path) -> ValueError:
@@ -166,6 +167,10 @@ def load_workload(spec: str, *, batch: int | None = None, seq_len: int | None = 
 
     kwargs = {k: v for k, v in (("batch", batch), ("seq_len", seq_len)) if v is not None}
     if spec in BUILTIN:
+        if seq_len is not None and spec in _NO_SEQUENCE:
+            # A figure for another shape than the one asked for would be read as the answer.
+            raise ValueError(f"--seq-len {seq_len}: the built-in {spec!r} has no sequence "
+                             f"(it takes --batch only); leave the option out")
         return BUILTIN[spec](device=device, **kwargs)
     path, sep, fname = spec.rpartition(":")
     if not sep or not path.endswith(".py"):
