@@ -1036,18 +1036,19 @@ class CompileBackend:
             with inductor_config.patch(custom_partitioner_fn=Partitioner(),
                                        fx_graph_cache=False):
                 return compile_fx(gm, example_inputs)
-        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.debugging import boxed_nop
         from torch._functorch.aot_autograd import aot_module_simplified
 
         def partition(joint, joint_inputs, **kwargs):
             return self._partition(min_cut_rematerialization_partition, joint, joint_inputs,
                                    **kwargs)
 
-        def nop(g, _inputs):
-            return make_boxed_func(g.forward)
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=nop, bw_compiler=nop,
-                                     partition_fn=partition)
+        # Boxed graphs clear their argument list and drop each input after its last use, as
+        # Inductor's code does and the walk assumes. A plain call of the graph kept every
+        # saved tensor alive to the end of backward (a plan measured 5 MiB above its
+        # prediction of 29 MiB).
+        return aot_module_simplified(gm, example_inputs, fw_compiler=boxed_nop,
+                                     bw_compiler=boxed_nop, partition_fn=partition)
 
 
 def compile_backend(budget=None, *, plan=None, model=None, inputs=None,
