@@ -247,13 +247,12 @@ class _Recorder:
         """Each sum that eager autograd makes in place (_settle_sum) becomes its operand's
         storage living on: the operand takes the sum's release, last use and role, and the
         sum allocates nothing. Chains (a sum added into again) end on the first operand.
-        A chain that starts at a tensor older than the step, or ends as a parameter's
-        gradient, is left as it is: that is AccumulateGrad's path (a tied weight's
-        gradients, gradients accumulated over micro-steps), where the real step allocates
-        all the same (measured on GPT-2)."""
+        A sum that becomes a parameter's gradient is merged too: AccumulateGrad steals the
+        engine's sum or adds it into the ``.grad`` there is, in the real step as in the
+        trace. (A tied weight's fp32 head gradient is a view, the transpose of a matmul's
+        output, which _note_sum never watches: that sum is a new tensor in the real step.)"""
         root: dict[int, int] = {}
         chains: dict[int, list[int]] = {}
-        sums: set[int] = set()  # chains with an engine sum
         aliases = [(operand, result, -1, None) for operand, result in self.sum_aliases]
         for operand, result, index, roots in sorted(aliases + self.inplace_ops,
                                                     key=lambda a: self.tensors[a[1]].alloc_op):
@@ -263,14 +262,11 @@ class _Recorder:
                 if (info.last_use != index or info.nbytes != made.nbytes
                         or info.dtype != made.dtype or self.tensors[first].op not in roots):
                     continue
-            else:
-                sums.add(first)
             root[result] = first
             chains.setdefault(first, []).append(result)
         for first, results in chains.items():
             keep = self.tensors[first]
-            if keep.alloc_op < 0 or (first in sums and any(
-                    self.tensors[r].category == GRADIENT for r in results)):
+            if keep.alloc_op < 0:  # older than the step: held by the model, never freed
                 continue
             for result in results:
                 gone = self.tensors[result]
@@ -293,10 +289,6 @@ class _Recorder:
     # a parameter's unsharded gradient is a temporary the collectives take, and merging its
     # sums took 7.6–9.8% off BERT's and GPT-2's measured FSDP peaks.
     merge_in_place_sums = True
-    # Nor with gradients present when the step starts (a micro-step of gradient
-    # accumulation): there merging took GPT-2's measured peak 4.2% low (whatif_accuracy),
-    # which is not understood yet.
-    grads_present = False
 
     def _note_scatter(self, func, args, out, outs, index) -> bool:
         """Watch, in backward, a scatter into a tensor of zeros made for it (see
@@ -326,7 +318,7 @@ class _Recorder:
         one gradient."""
         import torch
 
-        if not self.merge_in_place_sums or self.grads_present or self.phase != BACKWARD:
+        if not self.merge_in_place_sums or self.phase != BACKWARD:
             return
         if self._note_scatter(func, args, out, outs, index):
             return
@@ -1241,7 +1233,6 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
     probes = ProbeSet(probe_limit) if probe_limit > 0 else None
     rec = _Recorder(profile, fake_mode, progress, probes)
     rec.nonzero_density = nonzero_density
-    rec.grads_present = grads_present
     modes = {m: m.training for m in model.modules()}
     hooks = []
     try:
