@@ -142,13 +142,30 @@ def function_caches_kept():
     DINOv3's patch coordinates, a user's sin/cos table): the traced forward filled the
     cache with a fake tensor, and every real forward after it in the process computed on
     fake tensors. Caches without fake tensors are left alone: some run a registration
-    once. (One scan of the heap, about 0.1 s with transformers loaded.)"""
+    once. The caches are looked for (a scan of the heap, about 0.1 s with transformers
+    loaded) only where a fake tensor made in the body outlives it; after a plain trace none
+    does."""
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    made = weakref.WeakSet()
+    new = FakeTensor.__dict__["__new__"]
+
+    def note(cls, *args, **kwargs):
+        t = new.__func__(cls, *args, **kwargs)
+        made.add(t)
+        return t
+
+    FakeTensor.__new__ = staticmethod(note)
     try:
         yield
     finally:
-        for c in _function_caches():
-            if c.cache_info().currsize and _holds_fake_tensor(c):
-                c.cache_clear()
+        FakeTensor.__new__ = new
+        if len(made):
+            for c in _function_caches():
+                if c.cache_info().currsize and _holds_fake_tensor(c):
+                    c.cache_clear()
 
 
 @contextlib.contextmanager
