@@ -744,6 +744,9 @@ class _CTC(torch.nn.Module):
         if self.lengths == "ints":
             return F.ctc_loss(log_probs, targets, [steps] * batch, [width] * batch)
         full = torch.full((batch,), steps, dtype=torch.long)
+        if self.lengths == "tensors, torch.ctc_loss":  # its reduction is an enum: 2 = sum
+            return torch.ctc_loss(log_probs, targets, full,
+                                  torch.full((batch,), width, dtype=torch.long), 0, 2)
         if self.lengths == "tensors, flat targets":
             return F.ctc_loss(log_probs, targets.reshape(-1), full,
                               torch.full((batch,), width, dtype=torch.long))
@@ -751,7 +754,8 @@ class _CTC(torch.nn.Module):
                           reduction="sum", zero_infinity=True)
 
 
-@pytest.mark.parametrize("lengths", ["ints", "tensors", "tensors, flat targets"])
+@pytest.mark.parametrize("lengths", ["ints", "tensors", "tensors, flat targets",
+                                     "tensors, torch.ctc_loss"])
 def test_ctc_loss_is_traced_with_its_forward_variables(lengths):
     # Fake tensors refused _ctc_loss (its output is sized by the target lengths), and its
     # composite wrote the int lengths into a tensor's memory: it was untraceable.

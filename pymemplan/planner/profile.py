@@ -173,12 +173,12 @@ def ctc_loss_int_lengths(log_probs, targets, input_lengths, target_lengths, blan
     tensor has none of. The cuDNN path (int32 targets on the host) is not modelled."""
     import torch
 
+    if isinstance(reduction, int):  # torch.ctc_loss's enum: 0 none, 1 mean, 2 sum
+        reduction = ("none", "mean", "sum")[reduction]
     if isinstance(input_lengths, torch.Tensor) or isinstance(target_lengths, torch.Tensor):
         # The torch-function layer is off while its replacements run: the real function.
         return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths,
                                             blank, reduction, zero_infinity)
-    if isinstance(reduction, int):  # torch.ctc_loss's enum: 0 none, 1 mean, 2 sum
-        reduction = ("none", "mean", "sum")[reduction]
     batched = log_probs.dim() == 3
     lp = log_probs if batched else log_probs.unsqueeze(1)
     res = torch.ops.aten._ctc_loss(lp, targets.to(lp.device, torch.long), list(input_lengths),
