@@ -55,16 +55,26 @@ def _replay(args: argparse.Namespace) -> int:
     def show(value, fmt):
         return "–" if value is None else fmt(value)
 
+    refused = False
     for r in results:
+        # Where requests were refused, the live bytes were never all held: a ratio to them
+        # (0.25 on a device a quarter of the trace's size) would read as a saving.
+        ratio = f"{r['reserved_over_live']:.3f}"
+        if r["ooms"]:
+            ratio, refused = "OOM", True
         table.add_row(r["trace"], r["policy"], f"{r['events']:,}",
                       format_bytes(r["peak_live_bytes"]),
                       show(r["peak_allocated_bytes"], format_bytes),
-                      format_bytes(r["peak_reserved_bytes"]), f"{r['reserved_over_live']:.3f}",
+                      format_bytes(r["peak_reserved_bytes"]), ratio,
                       show(r["device_allocs"], "{:,}".format),
                       show(r["device_frees"], "{:,}".format), show(r["ooms"], str),
                       show(r["ns_per_event"], "{:.0f}".format))
     # Piped output has no terminal width to fit; keep rows on one line.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if refused:
+        print(f"OOM: the policy refused requests at {args.capacity}; peak reserved is what it "
+              "held, and peak live counts the refused requests too. Replay with a larger "
+              "--capacity to compare it.")
     return 0
 
 

@@ -54,6 +54,17 @@ def test_replay_counts_ooms_at_a_small_capacity(capsys):
     assert rows[0]["ooms"] > 0 and rows[0]["peak_reserved_bytes"] == 0
 
 
+def test_replay_table_shows_no_ratio_where_requests_were_refused(capsys):
+    # At 1 MiB every request is refused: reserved/live read 0.000, as if nothing was wasted.
+    argv = ["replay", str(DATA / "mlp_adam.csv.gz"), "--policy", "torch", "--policy"]
+    assert main([*argv, "pymemplan", "--capacity", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "0.000" not in out and "OOM │" in out and "larger --capacity" in out
+    assert main([*argv, "pymemplan"]) == 0
+    out = capsys.readouterr().out
+    assert "OOM │" not in out and "larger --capacity" not in out
+
+
 def test_replay_table_output(capsys):
     assert main(["replay", str(DATA / "cnn_sgd.csv.gz"), "--policy", "pymemplan"]) == 0
     out = capsys.readouterr().out
