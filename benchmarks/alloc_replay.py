@@ -660,7 +660,12 @@ def page_floor(live_bytes, page=PAGE):
 
 def oom_capacity(trace, policy, lo, hi, granularity=PAGE):
     """The largest capacity (a multiple of the granularity) at which `policy` refuses some
-    request, between lo (fails) and hi (succeeds); None if it never fails at lo."""
+    request, between lo (fails) and hi (succeeds); None if it never fails at lo.
+
+    Failing is not monotone in the capacity for every policy: PyTorch's allocator ran a
+    diffusion UNet at 420-428 MiB and failed at 430 (its cache is freed and retried at
+    other moments). The bisection finds a failing capacity; every capacity above it, up to
+    hi, is then tried from the top down, so the answer is the largest that fails."""
     from pymemplan import _core
     from pymemplan.traces.replay import parse_policy
 
@@ -674,12 +679,16 @@ def oom_capacity(trace, policy, lo, hi, granularity=PAGE):
     hi = -(-hi // granularity) * granularity
     if not fails(lo):
         return None
+    top = hi
     while hi - lo > granularity:  # invariant: fails(lo), not fails(hi)
         mid = (lo + hi) // 2 // granularity * granularity
         if fails(mid):
             lo = mid
         else:
             hi = mid
+    for cap in range(top - granularity, lo, -granularity):
+        if fails(cap):
+            return cap
     return lo
 
 

@@ -1359,3 +1359,21 @@ def test_without_virtual_memory_a_plan_is_held_to_what_the_pool_reached_alone():
     pool, planned = replay(trace, ["pymemplan", "pymemplan-planned=vmm:False"])
     assert pool.reserved_over_live < 1.002
     assert planned.reserved_over_live < 1.3
+
+
+def test_the_largest_failing_capacity_is_found_where_failing_is_not_monotone(monkeypatch):
+    # PyTorch's allocator model ran a red-team's diffusion UNet at 420-428 MiB and failed at
+    # 430 (its cache is freed and retried at other moments); the bisection reported 418.
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import alloc_replay
+    from pymemplan.traces import read_trace
+
+    fails_at = {416, 418, 430}
+    monkeypatch.setattr(_core, "replay", lambda *a, **k: {"ooms": int(a[6] // MiB in fails_at)})
+    trace = read_trace(ROOT / "tests" / "data" / "mlp_adam.csv.gz")
+    assert alloc_replay.oom_capacity(trace, "torch", 416 * MiB, 440 * MiB) == 430 * MiB
+    fails_at = {416, 418}
+    assert alloc_replay.oom_capacity(trace, "torch", 416 * MiB, 440 * MiB) == 418 * MiB
+    assert alloc_replay.oom_capacity(trace, "torch", 420 * MiB, 440 * MiB) is None
