@@ -1361,6 +1361,32 @@ def test_without_virtual_memory_a_plan_is_held_to_what_the_pool_reached_alone():
     assert planned.reserved_over_live < 1.3
 
 
+def test_a_refused_plan_leaves_the_pool_as_it_was():
+    # tests/data/sgd_plain_cnn.csv.gz (a red-team recording: a VGG-like CNN, plain SGD,
+    # five identical steps): every plan of its steps is refused (its packing needs more than
+    # the pool holds). Arming gave the pool's unused pages back before it weighed the plan,
+    # refused or not, and the next step mapped them again: 782 page maps and unmaps where
+    # pymemplan-vmm makes 238, at the same peak. A plan is now weighed as if the pool were
+    # trimmed, and the pool trimmed only for a plan that is used.
+    from pymemplan.traces import read_trace
+    from pymemplan.traces.replay import replay
+
+    trace = read_trace(Path(__file__).parent / "data" / "sgd_plain_cnn.csv.gz")
+    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), "pymemplan-planned", "")
+    live = {}
+    for a, p, n, s in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+                          trace.stream.tolist()):
+        if a == 0:
+            live[p] = alloc.malloc(n, s)
+        elif a == 1:
+            alloc.free(live.pop(p))
+    stats = alloc.plan_stats()
+    assert stats["arm_refusals"] > 0 and stats["arms"] == 0
+    vmm, planned = replay(trace, ["pymemplan-vmm", "pymemplan-planned"])
+    assert planned.peak_reserved_bytes == vmm.peak_reserved_bytes
+    assert (planned.device_allocs, planned.device_frees) == (vmm.device_allocs, vmm.device_frees)
+
+
 def test_the_largest_failing_capacity_is_found_where_failing_is_not_monotone(monkeypatch):
     # PyTorch's allocator model ran a red-team's diffusion UNet at 420-428 MiB and failed at
     # 430 (its cache is freed and retried at other moments); the bisection reported 418.

@@ -1987,6 +1987,17 @@ std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep)
   return static_cast<std::size_t>(before - reserved_);
 }
 
+std::optional<std::size_t> CachingAllocator::trimmable_outside(std::uintptr_t arena) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  process_events();  // as trim does: completed frees leave pages unused
+  std::size_t bytes = 0;
+  for (const auto& [addr, seg] : segments_) {
+    if (!seg->vmm || seg->chunk != 0) return std::nullopt;
+    if (addr != arena) bytes += seg->unused_mapped * device_->granularity();
+  }
+  return bytes;
+}
+
 void CachingAllocator::set_grow_mark(std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   grow_mark_ = std::max(reserved_, static_cast<std::int64_t>(bytes));

@@ -11,6 +11,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <optional>
 #include <vector>
 
 #include "allocator_api.hpp"
@@ -148,6 +149,10 @@ class CachingAllocator : public Allocator {
   // (in `arena`, only those from `arena_keep` bytes on) and the wholly free segments. Streams
   // that freed the memory are synchronized first. Returns the bytes given back.
   std::size_t trim(std::uintptr_t arena, std::size_t arena_keep);
+  // What trim(arena, ...) would give back outside `arena`, without giving it back: the unused
+  // pages of the other virtual segments. Known only where every segment is virtual and not
+  // an expandable one (whole free segments and chunks go back by other rules): nullopt else.
+  std::optional<std::size_t> trimmable_outside(std::uintptr_t arena);
   // Pages (or segments) that would take reserved memory past the grow mark are mapped only
   // after unused ones are given back (release_before_grow). The mark is the highest reserved
   // so far unless lowered here: it becomes max(reserved now, bytes).
