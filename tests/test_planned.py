@@ -1368,19 +1368,16 @@ def test_a_refused_plan_leaves_the_pool_as_it_was():
     # refused or not, and the next step mapped them again: 782 page maps and unmaps where
     # pymemplan-vmm makes 238, at the same peak. A plan is now weighed as if the pool were
     # trimmed, and the pool trimmed only for a plan that is used.
+    import sys
+
     from pymemplan.traces import read_trace
     from pymemplan.traces.replay import replay
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from alloc_replay import plan_figures
+
     trace = read_trace(Path(__file__).parent / "data" / "sgd_plain_cnn.csv.gz")
-    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), "pymemplan-planned", "")
-    live = {}
-    for a, p, n, s in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
-                          trace.stream.tolist()):
-        if a == 0:
-            live[p] = alloc.malloc(n, s)
-        elif a == 1:
-            alloc.free(live.pop(p))
-    stats = alloc.plan_stats()
+    stats = plan_figures(trace)
     assert stats["arm_refusals"] > 0 and stats["arms"] == 0
     vmm, planned = replay(trace, ["pymemplan-vmm", "pymemplan-planned"])
     assert planned.peak_reserved_bytes == vmm.peak_reserved_bytes
