@@ -770,3 +770,33 @@ def test_albert_layers_shared_across_depth_are_planned_and_hold_in_a_real_step()
         # Within 0.1% over, and bytes under.
         assert -1e-4 * measured <= plan.predicted_peak_bytes - measured <= 1e-3 * measured, \
             fraction
+
+
+def test_a_forward_set_on_the_instance_is_the_one_checkpointed_and_kept():
+    # accelerate's hooks and users' patches set `module.forward` on the instance. apply ran
+    # the class's forward instead (the model computed something else: outputs off by up to
+    # 0.3), and remove deleted the patch.
+    torch.manual_seed(0)
+    def block():
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.GELU())
+
+    model = nn.Sequential(block(), block(), block())
+    for layer in (model[1], model):
+        layer.forward = lambda x, _f=layer.forward: _f(x) * 0.5
+    x = torch.randn(512, 64, requires_grad=True)
+    want = model(x)
+    want.square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    t = pymemplan.trace(model, (x,), loss_fn=lambda out: out.square().mean(), device="cpu")
+    plan = t.plan(t.peak_bytes - 1, model=model, inputs=(x,), modules=["1"])
+    assert [d.module for d in plan.recomputed] == ["1"]
+    plan.apply(model)
+    got = model(x)
+    assert torch.equal(got, want)
+    got.square().mean().backward()
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    plan.remove(model)
+    assert "forward" in model[1].__dict__ and "forward" in model.__dict__
+    assert torch.equal(model(x), want)

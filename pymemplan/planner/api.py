@@ -477,10 +477,13 @@ class MemoryTrace:
                 traced = [op.name for op in self.graph.ops[:len(names)]]
                 if traced != names:
                     outputs = None
+                # A forward set on the instance is the one that runs (and is checkpointed).
                 callable_modules = {name for name, m in model.named_modules()
-                                    if type(m).forward is not torch.nn.Module.forward}
+                                    if type(m).forward is not torch.nn.Module.forward
+                                    or "forward" in m.__dict__}
                 sequential = {name for name, m in model.named_modules()
-                              if type(m).forward is torch.nn.Sequential.forward}
+                              if type(m).forward is torch.nn.Sequential.forward
+                              and "forward" not in m.__dict__}
             cache[key] = build_problem(self.graph, flops=flops, modules=modules,
                                        callable_modules=callable_modules,
                                        sequential_modules=sequential, outputs=outputs,

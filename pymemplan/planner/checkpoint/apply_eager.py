@@ -42,6 +42,7 @@ import re
 
 _MARK = "_pymemplan_checkpointed"
 _USE_CACHE = "_pymemplan_use_cache"  # a Hugging Face config's use_cache before apply()
+_OWN_FORWARD = "_pymemplan_own_forward"  # a forward set on the instance before apply()
 
 
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -103,8 +104,10 @@ def _save_compute_policy(ctx, op, *args, **kwargs):
 
 
 def _checkpointed_forward(module, policy, *args, **kwargs):
-    return _run_checkpointed(type(module).forward.__get__(module), [module], policy,
-                             *args, **kwargs)
+    # A forward set on the instance (accelerate's hooks, a user's patch) is the one the
+    # trace ran and the plan was made for.
+    forward = module.__dict__.get(_OWN_FORWARD) or type(module).forward.__get__(module)
+    return _run_checkpointed(forward, [module], policy, *args, **kwargs)
 
 
 def _segmented_forward(seq, segments, input):
@@ -239,17 +242,22 @@ def apply(model, modules):
         m = _get(model, path)
         if getattr(m, _MARK, False):
             continue
-        if type(m).forward is torch.nn.Module.forward:
+        own = m.__dict__.get("forward")
+        if own is None and type(m).forward is torch.nn.Module.forward:
             raise PlannerError(f"module '{path}' ({type(m).__name__}) has no forward to "
                                f"checkpoint; plan with model=... so containers are left out")
+        if own is not None:
+            object.__setattr__(m, _OWN_FORWARD, own)
         object.__setattr__(m, "forward", functools.partial(_checkpointed_forward, m, policy))
         object.__setattr__(m, _MARK, True)
     for path, runs in segments.items():
         seq = _get(model, path)
-        if type(seq).forward is not torch.nn.Sequential.forward or getattr(seq, _MARK, False):
+        if (type(seq).forward is not torch.nn.Sequential.forward or getattr(seq, _MARK, False)
+                or "forward" in seq.__dict__):
             raise PlannerError(f"the plan checkpoints runs of children of '{path}', which is "
-                               f"not a plain nn.Sequential here (or is checkpointed whole); "
-                               f"apply a plan to the model it was made for")
+                               f"not a plain nn.Sequential here (or is checkpointed whole, or "
+                               f"its forward was replaced on the instance); apply a plan to "
+                               f"the model it was made for")
         names = list(seq._modules)
         by_start = {}
         for (first, last), policy in runs.items():
@@ -308,6 +316,9 @@ def remove(model):
     for m in model.modules():
         if m.__dict__.pop(_MARK, False):
             m.__dict__.pop("forward", None)
+            own = m.__dict__.pop(_OWN_FORWARD, None)
+            if own is not None:
+                object.__setattr__(m, "forward", own)
     for cfg in model.__dict__.pop(_USE_CACHE, None) or ():
         cfg.use_cache = True
     return model
