@@ -309,3 +309,16 @@ def test_flags_that_are_not_flags_are_refused(kwargs, message):
     with pytest.raises(PlannerError, match=message):
         pymemplan.trace(nn.Linear(8, 1), (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu",
                         **kwargs)
+
+
+def test_module_patterns_that_match_nothing_are_named_as_the_problem():
+    # It was a BudgetTooSmallError whose "least achievable peak" was the unplanned one.
+    from pymemplan.planner.checkpoint.plan import BudgetTooSmallError
+
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(512, 64)
+    t = pymemplan.trace(m, (x,), loss_fn=lambda o: o.mean(), device="cpu")
+    with pytest.raises(PlannerError, match=r"matches no module.*such as '0'") as e:
+        t.plan(t.peak_bytes // 2, model=m, inputs=(x,), modules=["encoder.*"])
+    assert not isinstance(e.value, BudgetTooSmallError)
+    assert t.plan(t.peak_bytes, model=m, inputs=(x,), modules=["?"]).budget_bytes == t.peak_bytes
