@@ -73,6 +73,9 @@ def _is_view(node) -> bool:
         t.is_view or t.overloadpacket.__name__ in ("_unsafe_view", "alias", "view", "reshape"))
 
 
+# Reductions Inductor fuses with their producer or consumer as one loop nest.
+SINKABLE = {"sum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "var_mean",
+            "var", "std", "logsumexp"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var_mean",
                "var", "std", "prod", "any", "all", "logsumexp", "_softmax", "_log_softmax",
                "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
@@ -269,7 +272,9 @@ def _addmm(nodes, kind) -> None:
         args = [a for a in nd.args if isinstance(a, torch.fx.Node)]
         if len(args) != 2 or len(nd.args) != 2:
             continue
-        for mm, inp in (args, args[::-1]):
+        # Inductor tries add(inp, mm) first (registered first): of two matmuls, the
+        # second is the one that waits for the first.
+        for inp, mm in (args, args[::-1]):
             vm, vi = _val(mm), _val(inp)
             if not (mm.op == "call_function" and mm.target is aten.mm.default
                     and len(mm.users) == 1 and isinstance(vi, torch.Tensor)
@@ -485,6 +490,7 @@ class GraphMemory:
                 run.append(k)
         flush()
         groups.sort(key=lambda g: self.index[g[0]])
+        groups = self._sink(groups)
         readers = {}
         for g in groups:
             for k in g:
@@ -504,6 +510,65 @@ class GraphMemory:
             if len(g) > 1:
                 self.kind[head] = "pointwise"
         self.kernels, self.writes, self.reads = kernels, writes, reads
+
+    def _loops(self, k):
+        """The loop sizes of kernel node ``k``: its output's numel and, for a reduction,
+        the numel of what it reduces (else the same)."""
+        import torch
+
+        out = _val(k)
+        n = out.numel() if isinstance(out, torch.Tensor) else None
+        if self.kind.get(k) != "reduction":
+            return n, n
+        src = k.args[0] if k.args else None
+        v = _val(src) if isinstance(src, torch.fx.Node) else None
+        return n, v.numel() if isinstance(v, torch.Tensor) else None
+
+    def _sink(self, groups):
+        """Inductor's vertical fusion has no distance limit: a pointwise or reduction
+        kernel whose buffers are read by one later pointwise or reduction kernel only,
+        over the same loop, is fused into it across any extern kernels between them,
+        and runs there; what it reads stays live until then. A weight used several
+        times is where it shows: each use's bias-gradient reduction sinks into the sum
+        of the uses at the end of backward, which holds every use's output gradient."""
+        def fusible(g):
+            return all(self.kind.get(k) == "pointwise" or (
+                self.kind.get(k) == "reduction" and _op_name(k) in SINKABLE) for k in g)
+
+        def compatible(g, h):
+            outer = {self._loops(k)[0] for k in h} | {self._loops(k)[1] for k in h}
+            return all(set(self._loops(k)) & outer - {None} for k in g)
+
+        owner = {}  # storage -> the group that writes it
+        readers = {}  # storage -> groups that read it
+        for i, g in enumerate(groups):
+            for k in g:
+                for st in self.writes[k]:
+                    owner[st] = i
+                for st in self.reads[k]:
+                    readers.setdefault(st, set()).add(i)
+        gone = set()
+        for i, g in enumerate(groups):
+            if i in gone or not fusible(g):
+                continue
+            writes = [st for k in g for st in self.writes[k]]
+            if not writes or any(st in self.keep for st in writes):
+                continue
+            into = set().union(*(readers.get(st, set()) for st in writes)) - {i}
+            if len(into) != 1:
+                continue
+            j = into.pop()
+            if j < i or not fusible(groups[j]) or not compatible(g, groups[j]):
+                continue
+            groups[j] = groups[j] + g  # the head (and so the place) stays the consumer's
+            gone.add(i)
+            for k in g:
+                for st in self.reads[k]:
+                    readers[st].discard(i)
+                    readers[st].add(j)
+                for st in self.writes[k]:
+                    owner[st] = j
+        return [g for i, g in enumerate(groups) if i not in gone]
 
     def _read(self, a, into):
         """Add the storage(s) behind ``a`` to ``into``; an inlined value reads its own
