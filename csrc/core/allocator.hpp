@@ -8,10 +8,10 @@
 #include <set>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
-#include <optional>
 #include <vector>
 
 #include "allocator_api.hpp"

@@ -2,9 +2,9 @@
 #include "planned.hpp"
 
 #include <algorithm>
-#include <optional>
 #include <cctype>
 #include <chrono>
+#include <optional>
 #include <sstream>
 
 #include "errors.hpp"

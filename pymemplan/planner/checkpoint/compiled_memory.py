@@ -539,12 +539,9 @@ class GraphMemory:
             outer = {self._loops(k)[0] for k in h} | {self._loops(k)[1] for k in h}
             return all(set(self._loops(k)) & outer - {None} for k in g)
 
-        owner = {}  # storage -> the group that writes it
         readers = {}  # storage -> groups that read it
         for i, g in enumerate(groups):
             for k in g:
-                for st in self.writes[k]:
-                    owner[st] = i
                 for st in self.reads[k]:
                     readers.setdefault(st, set()).add(i)
         gone = set()
@@ -566,8 +563,6 @@ class GraphMemory:
                 for st in self.reads[k]:
                     readers[st].discard(i)
                     readers[st].add(j)
-                for st in self.writes[k]:
-                    owner[st] = j
         return [g for i, g in enumerate(groups) if i not in gone]
 
     def _read(self, a, into):

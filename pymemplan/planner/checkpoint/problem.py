@@ -239,10 +239,10 @@ def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held, kept=frozenset(), cach
 def _discarded_outputs(outs, by_alloc, last_fwd_read, f1, b0, b1) -> set:
     """The outputs (``(alloc op, bytes)`` keys) of a unit [f0..f1]/[b0..b1] that its caller
     drops: no forward op after the unit reads them, and they go within the unit's backward,
-    so autograd's saved tensors held them and nothing else. Under
-    checkpoint they go when the unit returns, as any other tensor it drops (Hugging Face
-    layers return their attention probabilities, which the encoder drops: RemBERT's least
-    achievable peak was 24.8 MB, a plan measured 14.6)."""
+    so autograd's saved tensors held them and nothing else. Under checkpoint they go when
+    the unit returns, as any other tensor it drops (Hugging Face layers return their
+    attention probabilities, which the encoder drops: RemBERT's least achievable peak was
+    24.8 MB, a plan measured 14.6)."""
     out = set()
     for op, nbytes in outs:
         for t in by_alloc.get(op, ()):
