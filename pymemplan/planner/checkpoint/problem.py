@@ -140,6 +140,7 @@ class CheckpointProblem:
         ops = list(g.ops)
         next_id = len(tensors)
         rng_state = checkpoint_rng_bytes(g.device)
+        last_read = _last_forward_reads(g)
         for c, xi in zip(self.candidates, x):
             if not xi:
                 continue
@@ -154,7 +155,7 @@ class CheckpointProblem:
                 for tid in dropped:
                     t = tensors[tid]
                     fwd = copy.copy(t)
-                    fwd.freed_before = f1 + 1
+                    fwd.freed_before = _dropped_after(t, f1, last_read)
                     tensors[tid] = fwd
                     if t.freed_before is None or t.freed_before > b0:
                         again = copy.copy(t)
@@ -191,18 +192,21 @@ def _spans(c: Candidate) -> list[tuple[int, int]]:
     return [(p[0], p[1]) for p in _parts(c)]
 
 
-def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held, kept=frozenset(), cached=()):
+def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held, kept=frozenset(), cached=(),
+           last_read=None):
     """Change in live bytes at every op when the module [f0..f1]/[b0..b1] is checkpointed
     dropping ``dropped``, holding ``held`` to its backward's end and ``cached`` to its
     recompute (b0), and the recompute transient (see the module docstring). ``kept``:
     ids of the tensors of the unit that the selective policy keeps, which its recompute
-    reads instead of making them."""
+    reads instead of making them. ``last_read``: the last forward op that reads each
+    storage; a dropped one read after the unit (an output) goes after that op."""
     d = np.zeros(n + 1, dtype=np.int64)
     dropped_ids = {t.id for t in dropped}
     for t in dropped:
         stop = b0 if t.freed_before is None else min(b0, t.freed_before)
-        if stop > f1 + 1:
-            d[f1 + 1] -= t.size
+        start = _dropped_after(t, f1, last_read)
+        if stop > start:
+            d[start] -= t.size
             d[stop] += t.size
     for t in held:
         d[t.freed_before] += t.size
@@ -236,19 +240,62 @@ def _delta(g, n, by_alloc, f0, f1, b0, b1, dropped, held, kept=frozenset(), cach
     return d, transient
 
 
-def _discarded_outputs(outs, by_alloc, last_fwd_read, f1, b0, b1) -> set:
-    """The outputs (``(alloc op, bytes)`` keys) of a unit [f0..f1]/[b0..b1] that its caller
-    drops: no forward op after the unit reads them, and they go within the unit's backward,
-    so autograd's saved tensors held them and nothing else. Under checkpoint they go when
-    the unit returns, as any other tensor it drops (Hugging Face layers return their
-    attention probabilities, which the encoder drops: RemBERT's least achievable peak was
-    24.8 MB, a plan measured 14.6)."""
+def _dropped_after(t, f1, last_read) -> int:
+    """The op before which a storage a checkpointed unit [..f1] drops goes: after the unit,
+    or after the last forward op that reads it (an output the caller reads, then drops)."""
+    if last_read is None:
+        return f1 + 1
+    return max(f1, last_read.get(t.id, f1)) + 1
+
+
+def _forward_and_backward_reads(g):
+    """Storage id -> the forward ops that read it, in order, and -> the first backward op
+    that reads it (None, None without the trace's reads)."""
+    if g.op_reads is None:
+        return None, None
+    start = g.phase_starts.get(BACKWARD, len(g.ops))
+    fwd, first = {}, {}
+    for i, reads in enumerate(g.op_reads):
+        for tid in reads:
+            if i < start:
+                fwd.setdefault(tid, []).append(i)
+            else:
+                first.setdefault(tid, i)
+    return fwd, first
+
+
+def _last_forward_reads(g, reads=None) -> dict | None:
+    """Storage id -> the last forward op that reads it (None without the trace's reads);
+    ``reads``: :func:`_forward_and_backward_reads` of ``g``, if made already."""
+    fwd = (reads or _forward_and_backward_reads(g))[0]
+    return None if fwd is None else {tid: ops[-1] for tid, ops in fwd.items()}
+
+
+def _dropped_outputs(g, path, outs, by_alloc, reads, f1, b0, b1) -> set:
+    """The outputs (``(alloc op, bytes)`` keys) of the unit ``path`` [f0..f1]/[b0..b1]
+    that only its own backward holds: the unit's backward reads them, nothing before it in
+    backward does, and they go within it. Checkpointed, the unit saves nothing, and they go
+    once the forward ops that read them have run, as anything else it drops (Hugging Face
+    layers return their attention probabilities, which the encoder drops: RemBERT's least
+    achievable peak was 24.8 MB, a plan measured 14.6; an Inception block's branches go
+    once concatenated: GoogLeNet's plans were 2.7% high). An output a later op saves for
+    its backward (a max-pool's input) is read by that op's backward, before the unit's,
+    and is kept. So is one that a module after the unit reads: checkpointed too, that
+    module would hold it to its own backward, which no unit's delta alone shows."""
+    fwd_reads, first_bwd_read = reads
+    owner = path.partition("[")[0]  # a segment's Sequential
+
+    def outside_modules(i):  # an op of the unit's ancestors' own code, or of the loss
+        m = g.ops[i].module
+        return m in ("", OUTSIDE) or owner == m or owner.startswith(m + ".")
+
     out = set()
     for op, nbytes in outs:
         for t in by_alloc.get(op, ()):
             if (t.nbytes == nbytes and t.category == ACTIVATION and b0 <= t.last_use <= b1
                     and t.freed_before is not None and t.freed_before <= b1 + 1
-                    and last_fwd_read.get(t.id, op) <= f1):
+                    and first_bwd_read.get(t.id, b0) >= b0
+                    and all(outside_modules(i) for i in fwd_reads.get(t.id, ()) if i > f1)):
                 out.add((op, nbytes))
     return out
 
@@ -329,13 +376,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         if t.alloc_op >= 0 and t.size and t.freed_before is not None and t.phase == FORWARD:
             freed_fwd.setdefault(t.freed_before, []).append(t)
     total_act = sum(t.size for t in g.tensors if t.category == ACTIVATION) or 1
-    # The last forward op that reads each storage (with the trace's reads).
-    last_fwd_read: dict[int, int] = {}
-    if g.op_reads is not None:
-        backward_start = g.phase_starts.get(BACKWARD, len(g.ops))
-        for i in range(min(backward_start, len(g.op_reads))):
-            for tid in g.op_reads[i]:
-                last_fwd_read[tid] = i
+    reads = _forward_and_backward_reads(g)
+    last_read = _last_forward_reads(g, reads)
 
     flops_total = (flops or {}).get("")
     fwd_ops = [op.index for op in g.ops if op.phase == FORWARD]
@@ -430,12 +472,11 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         for f0, f1, b0, b1 in calls:
             if outputs is not None and returner in outputs:
                 kept_out = set(outputs[returner])
-                if g.op_reads is not None:
-                    kept_out -= _discarded_outputs(kept_out, by_alloc, last_fwd_read,
-                                                   f1, b0, b1)
             else:
                 last_alloc = max((i for i in range(f0, f1 + 1) if i in by_alloc), default=f1)
                 kept_out = {(t.alloc_op, t.nbytes) for t in by_alloc.get(last_alloc, ())}
+            if last_read is not None:
+                kept_out -= _dropped_outputs(g, path, kept_out, by_alloc, reads, f1, b0, b1)
             dropped, held = [], []
             for i in range(f0, f1 + 1):
                 for t in by_alloc.get(i, ()):
@@ -496,7 +537,8 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                             keep = keep + [t]
                         elif t.freed_before < b0 + 1:
                             cached.append(t)
-                dc, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep, kept, cached)
+                dc, transient = _delta(g, n, by_alloc, f0, f1, b0, b1, drop, keep, kept, cached,
+                                       last_read)
                 if rng_state:
                     dc[f0:b1 + 1] += rng_state
                 d += dc
