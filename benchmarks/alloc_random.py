@@ -13,6 +13,10 @@ does with save_plans / load_plans ("restarted").
     python benchmarks/alloc_random.py              # 200 seeds, about 20 s
     python benchmarks/alloc_random.py --seeds 1000
     python benchmarks/alloc_random.py --loops evaluation --seeds 1000
+    python benchmarks/alloc_random.py --seeds 30 --steps 40 --out /tmp/long.json  # long runs
+
+Also counted: the driver calls (pages mapped and unmapped) of pymemplan-vmm and
+pymemplan-planned over the second half of each run, once its steps repeat.
 
 Writes benchmarks/results/alloc_random.json (alloc_random_evaluation.json with --loops
 evaluation: synthetic_traces.evaluation_loop, an evaluation step every few steps).
@@ -34,7 +38,9 @@ sys.path.insert(0, str(HERE))
 
 from synthetic_traces import evaluation_loop, random_training  # noqa: E402
 
+from pymemplan import _core  # noqa: E402
 from pymemplan.traces import offline_layout, replay  # noqa: E402
+from pymemplan.traces.replay import parse_policy  # noqa: E402
 
 RESULTS = {"training": HERE / "results" / "alloc_random.json",
            "evaluation": HERE / "results" / "alloc_random_evaluation.json"}
@@ -46,6 +52,14 @@ TOLERANCE = 0.005
 # The same run again, pymemplan-planned starting with the plans the first run ended with
 # (save_plans / load_plans: a restarted job).
 RESTARTED = "pymemplan-planned, restarted"
+CALLS = ("pymemplan-vmm", "pymemplan-planned")  # driver calls over the second half, counted
+
+
+def second_half_calls(trace, policy: str) -> int:
+    """Pages mapped and unmapped over the second half of the run (80 GiB, 2 MiB pages)."""
+    r = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, *parse_policy(policy),
+                     80 << 30, 2 << 20, len(trace.action) // 2)
+    return int(r["steady_device_allocs"] + r["steady_device_frees"])
 
 
 def main() -> int:
@@ -53,12 +67,20 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=200, help="runs to draw (seeds 0..N-1)")
     ap.add_argument("--loops", choices=sorted(RESULTS), default="training",
                     help="training: random_training; evaluation: evaluation_loop")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training loops: run this many steps (default: 3 to 7, drawn)")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/alloc_random[_evaluation].json")
     args = ap.parse_args()
     args.out = args.out or RESULTS[args.loops]
-    draw = random_training if args.loops == "training" else evaluation_loop
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
+    if args.steps is not None and (args.steps < 1 or args.loops != "training"):
+        ap.error("--steps must be at least 1, and is for --loops training only")
+    if args.loops == "training":
+        def draw(seed):
+            return random_training(seed, steps=args.steps)
+    else:
+        draw = evaluation_loop
 
     start = time.perf_counter()
     runs = []
@@ -75,6 +97,8 @@ def main() -> int:
                                 plans=results["pymemplan-planned"].plans)[0].reserved_over_live
         # What placing every block knowing the whole run would hold (pymemplan.traces.offline).
         row["offline"] = offline_layout(trace).peak_reserved_bytes / row["peak_live_bytes"]
+        for name in CALLS:
+            row[name + " second-half driver calls"] = second_half_calls(trace, name)
         runs.append(row)
     seconds = time.perf_counter() - start
 
@@ -106,10 +130,14 @@ def main() -> int:
         "restarted above pymemplan-planned": over(RESTARTED, "pymemplan-planned"),
         "pymemplan-planned above restarted": over("pymemplan-planned", RESTARTED),
     }
+    summary["second-half driver calls"] = {name: sum(r[name + " second-half driver calls"] for r in runs)
+                                           for name in CALLS}
     summary[RESTARTED]["lower"] = sum(r[RESTARTED] < r["pymemplan-planned"] for r in runs)
     summary[RESTARTED]["higher"] = sum(r[RESTARTED] > r["pymemplan-planned"] for r in runs)
     command = "python benchmarks/alloc_random.py" + ("" if args.loops == "training" else f" --loops {args.loops}")
-    out = {"command": command + ("" if args.seeds == 200 else f" --seeds {args.seeds}"),
+    command += "" if args.seeds == 200 else f" --seeds {args.seeds}"
+    command += "" if args.steps is None else f" --steps {args.steps}"
+    out = {"command": command,
            "machine": platform.platform(), "seeds": args.seeds, "tolerance": TOLERANCE,
            "seconds": seconds, "summary": summary, "above": above, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,6 +153,9 @@ def main() -> int:
     if steady:
         print(f"  pymemplan-planned, steady state: median {s['median']:.4f}, within 1% on "
               f"{s['within_1pct']} of the {s['runs_with_a_plan']} runs a plan served")
+    calls = summary["second-half driver calls"]
+    print("  driver calls (pages mapped and unmapped) over the second halves: "
+          + ", ".join(f"{name} {n:,}" for name, n in calls.items()))
     s = summary[RESTARTED]
     print(f"  restarted with the first run's plans: lower than pymemplan-planned on {s['lower']} "
           f"runs, higher on {s['higher']}")

@@ -163,7 +163,7 @@ def evaluation_loop(seed: int, cycles: int = 8) -> Trace:
 ALL = {t.__name__: t for t in (many_sizes, grow_shrink, two_streams, periodic_eval)}
 
 
-def random_training(seed: int) -> Trace:
+def random_training(seed: int, steps: int | None = None) -> Trace:
     """A training run drawn at random from the shapes real loops take, for measuring the
     policies on workloads nobody tuned them for. Drawn per seed:
     - depth, tensor sizes (log-normal around a scale of 1 to 64 MiB), activations kept per
@@ -175,7 +175,9 @@ def random_training(seed: int) -> Trace:
       routed to experts, boxes kept by detection), the rest repeat;
     - loop habits: the next batch made before the last one is released (a prefetching data
       loader), the output kept until the next step replaces it (a loop variable), gradient
-      buckets reduced on a second stream."""
+      buckets reduced on a second stream.
+
+    `steps` runs that many steps instead of the 3 to 7 drawn (the rest is drawn the same)."""
     rng = np.random.default_rng(seed)
     p = _Program(f"random_training_{seed}")
     scale = float(np.exp(rng.uniform(np.log(1 * MiB), np.log(64 * MiB))))
@@ -196,7 +198,8 @@ def random_training(seed: int) -> Trace:
     prefetch = bool(rng.random() < 0.3)
     keep_output = bool(rng.random() < 0.3)
     comm_stream = 1 if rng.random() < 0.15 else None
-    steps = int(rng.integers(3, 8))
+    drawn = int(rng.integers(3, 8))  # drawn either way: the rest of the run is drawn the same
+    steps = drawn if steps is None else steps
 
     for w in weights:
         p.alloc(w)

@@ -1975,15 +1975,19 @@ bool CachingAllocator::arena_in_use(std::uintptr_t arena) const {
   return false;
 }
 
-std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep) {
+std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep, std::size_t want) {
   std::lock_guard<std::mutex> lock(mutex_);
   process_events();
   const std::int64_t before = reserved_;
   const Segment* keep = nullptr;
   if (arena != 0) keep = arena_segment(arena);
   const std::uintptr_t lo = keep != nullptr ? keep->addr : 0;
-  reclaim_pages(keep, lo, lo + arena_keep, kNoLimit);
-  release_cached(kNoLimit);
+  const std::size_t got = reclaim_pages(keep, lo, lo + arena_keep, want);
+  if (want == kNoLimit) {
+    release_cached(kNoLimit);
+  } else if (got < want) {
+    release_cached(want - got);
+  }
   return static_cast<std::size_t>(before - reserved_);
 }
 

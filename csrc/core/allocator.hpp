@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <map>
 #include <set>
 #include <memory>
@@ -147,8 +148,10 @@ class CachingAllocator : public Allocator {
   bool arena_in_use(std::uintptr_t arena) const;
   // Gives back to the device what no live block uses: the unused pages of virtual segments
   // (in `arena`, only those from `arena_keep` bytes on) and the wholly free segments. Streams
-  // that freed the memory are synchronized first. Returns the bytes given back.
-  std::size_t trim(std::uintptr_t arena, std::size_t arena_keep);
+  // that freed the memory are synchronized first. Returns the bytes given back. With `want`,
+  // at most about that many bytes go back (whole pages), the pool's before the arena's.
+  std::size_t trim(std::uintptr_t arena, std::size_t arena_keep,
+                   std::size_t want = std::numeric_limits<std::size_t>::max());
   // What trim(arena, ...) would give back outside `arena`, without giving it back: the unused
   // pages of the other virtual segments. Known only where every segment is virtual and not
   // an expandable one (whole free segments and chunks go back by other rules): nullopt else.

@@ -276,6 +276,13 @@ class PlannedAllocator : public Allocator {
   bool boundary(bool arm_now = true);
   void arm_at_cut();
   bool arm(int variant);
+  // The most that a plan which served within its last kRecentPeriods periods took, at least
+  // `footprint`; forgets the older ones.
+  std::size_t recent_floor(std::size_t footprint);
+  // The armed plan served a pass that ended at `event`.
+  void note_pass(std::uint64_t event, std::size_t period);
+  // Gives back what the armed plan kept mapped for other plans, once they no longer serve.
+  void trim_kept();
   // Whether the plan's bound is a large enough share of the highest live bytes to arm.
   bool worth_an_arena(const Plan& p) const;
   void disarm();
@@ -384,6 +391,17 @@ class PlannedAllocator : public Allocator {
   std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes
   std::size_t last_hole_cost_ = 0;   // pages those added to what the pool held
   std::size_t last_held_ = 0, last_footprint_ = 0;  // at the last arming
+  // Plans that served lately: the end of their last pass, their footprint and period (arm()
+  // keeps what they took mapped).
+  struct RecentPass {
+    std::uint64_t event;
+    std::size_t footprint;
+    std::size_t period;
+  };
+  std::vector<RecentPass> recent_passes_;
+  bool kept_for_recent_ = false;  // the armed plan kept pages mapped above its footprint ...
+  std::size_t kept_floor_ = 0;     // ... up to this reserved memory
+  std::size_t armed_footprint_ = 0;  // the armed plan's (last_footprint_ may be a refused one's)
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all
   std::size_t shared_bytes_ = 0;  // given back by share_pages, in all
