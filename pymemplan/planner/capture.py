@@ -444,6 +444,14 @@ class _Recorder:
             n = torch._C._current_autograd_node()
             node = n.name() if n is not None else ""
             node_key = None if n is None else (node, n._sequence_nr())
+        density = self.nonzero_density
+        if node == "MaskedFillBackward1" and func is torch.ops.aten.where.self:
+            # masked_fill's gradient for a value tensor: under a tensor subclass (fake tensors)
+            # the formula is where(mask, grad, 0).sum(); eager's is grad.masked_select(mask)
+            # .sum(), whose kernel holds far more (FunctionsManual.cpp masked_fill_backward).
+            # Without a density, every element is taken as selected: an upper bound.
+            func, args, kwargs = torch.ops.aten.masked_select.default, (args[1], args[0]), {}
+            density = 1.0 if density is None else density
         name = str(func)
         if self.phase == OPTIMIZER and func is torch.ops.aten._local_scalar_dense.default:
             return _placeholder_scalar(args[0])
@@ -451,7 +459,7 @@ class _Recorder:
         self.op_calls.append(calls)
         self.op_reads.append(tuple(t for t in (self.live.get(k) for k in in_keys) if t is not None))
         try:
-            out = run_op(func, args, kwargs, self.nonzero_density)
+            out = run_op(func, args, kwargs, density)
         except Exception as e:
             if self.error is None:
                 shapes = [tuple(a.shape) for a in flat_in]
@@ -502,6 +510,7 @@ class _Recorder:
         op = self.ops[index]
         op.seq = self._tick()
         op.written = new_bytes
+        op.scratch = _mask_scratch(func, args, density, self.profile)
         if flat_in:
             op.dtype = str(flat_in[0].dtype).replace("torch.", "")
         formula = _flop_formula(func)
@@ -703,6 +712,36 @@ def _at_density(func, args, kwargs, density):
         if changed:
             return func(args[0], indices, *args[2:], **kwargs)
     return None
+
+
+def _mask_scratch(func, args, density, profile) -> int:
+    """Bytes the kernel of a boolean-mask op holds while it runs, which fake tensors do not
+    see. Indexing with a mask (``x[mask]``, ``x[mask] = v``) first turns each mask into the
+    positions of its true elements (``nonzero``: int64, one column per dimension), and so does
+    ``masked_select`` on CUDA. On the CPU, ``masked_select`` keeps the mask and its prefix sums
+    as int64 instead, unless it takes the serial path (contiguous operands of one shape, under
+    32,768 elements or one thread). Masks are sized by ``density``, as the ops' outputs are
+    (:func:`_at_density`); 0 without one."""
+    import torch
+
+    if density is None:
+        return 0
+    aten = torch.ops.aten
+    if func is aten.masked_select.default:
+        x, mask = args[0], args[1]
+        shape = torch.broadcast_shapes(x.shape, mask.shape)
+        n = torch.Size(shape).numel()
+        if profile.name == "cuda":
+            return profile.device_bytes(int(round(n * density)) * len(shape) * 8)
+        serial = ((n < 32768 or torch.get_num_threads() == 1) and x.shape == mask.shape
+                  and x.is_contiguous() and mask.is_contiguous())
+        return 0 if serial or n == 0 else 16 * n
+    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                aten._index_put_impl_.default):
+        return sum(profile.device_bytes(int(round(ix.numel() * density)) * ix.dim() * 8)
+                   for ix in args[1]
+                   if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8))
+    return 0
 
 
 def _grouped_mm_any_dtype(func, args, kwargs):
@@ -1036,7 +1075,7 @@ def finish_recording(rec, probes, progress, activations, grads):
     if probes is not None:
         scratch, probe_stats = probes.measure(progress)
         for i, ws in scratch.items():
-            rec.ops[i].scratch = ws
+            rec.ops[i].scratch = max(rec.ops[i].scratch, ws)
         # Outputs the real kernel makes larger than the fake one says (an RNN layer's
         # workspace, empty under fake tensors, is kept from forward to backward).
         for tid, nbytes in probes.grown.items():
