@@ -721,12 +721,24 @@ def _mask_scratch(func, args, density, profile) -> int:
     ``masked_select`` on CUDA. On the CPU, ``masked_select`` keeps the mask and its prefix sums
     as int64 instead, unless it takes the serial path (contiguous operands of one shape, under
     32,768 elements or one thread). Masks are sized by ``density``, as the ops' outputs are
-    (:func:`_at_density`); 0 without one."""
+    (:func:`_at_density`); 0 without one. On CUDA, ``masked_scatter`` takes an int64 prefix
+    sum of its mask, and its backward selects as many elements as the source has (on the
+    CPU, the kernel probe measures both, with true masks: probe.py)."""
+    import math
+
     import torch
 
+    aten = torch.ops.aten
+    if profile.name == "cuda" and func in (aten.masked_scatter.default, aten.masked_scatter_.default):
+        # the mask's exclusive prefix sum, int64 (the CPU kernel's is measured by the probe)
+        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        return profile.device_bytes(torch.Size(shape).numel() * 8)
+    if profile.name == "cuda" and func is aten.masked_scatter_backward.default:
+        # grad.masked_select(mask): as many true elements as the source has
+        mask = args[1]
+        return profile.device_bytes(min(mask.numel(), math.prod(args[2])) * mask.dim() * 8)
     if density is None:
         return 0
-    aten = torch.ops.aten
     if func is aten.masked_select.default:
         x, mask = args[0], args[1]
         shape = torch.broadcast_shapes(x.shape, mask.shape)

@@ -77,6 +77,27 @@ def _storage_id(t) -> int:
 # not: the matrix exponential picks its Taylor degree from the input's norm, and on zeros
 # its cheapest one (a third of the scratch at 1024 x 1024). Probed on random normal values.
 _VALUE_SENSITIVE = frozenset({"aten.linalg_matrix_exp.default"})
+# Kernels that return early on a mask with no true element, before the buffers they take for
+# true ones (masked_scatter's and masked_select's prefix sums of the mask, as int64): probed
+# with every mask element true. Their outputs do not depend on the mask's values.
+_MASK_SENSITIVE = frozenset({"aten.masked_scatter.default", "aten.masked_scatter_.default",
+                             "aten.masked_scatter_backward.default"})
+
+
+def _true_mask(func, args) -> tuple:
+    """The arguments of a _MASK_SENSITIVE op with a mask whose leading elements are true, as
+    many as its source has (masked_scatter needs one per true element; its backward selects
+    as many): a new contiguous mask, where the signature's may be a view (an expanded one)."""
+    import torch
+
+    import math
+
+    mask, source = args[1], args[2]
+    # masked_scatter_backward(grad, mask, sizes): `sizes` is the source's shape
+    n = min(mask.numel(), math.prod(source) if isinstance(source, (list, tuple)) else source.numel())
+    true = torch.zeros(mask.shape, dtype=torch.bool)
+    true.view(-1)[:n] = True
+    return (args[0], true, *args[2:])
 
 
 def _zeros_like_key(k):
@@ -199,6 +220,8 @@ class ProbeSet:
                     self._chained_inputs(key, leaves)
                     stats["chained"] += 1
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
+                if str(func) in _MASK_SENSITIVE:
+                    args = _true_mask(func, args)
                 with torch.set_grad_enabled(key[3]), record(device="cpu", name=str(func)) as rec:
                     out = func(*args, **kwargs)
             except Exception:  # an op that cannot run on zeros (e.g. needs a positive size)
