@@ -252,6 +252,30 @@ def test_llama_7b_on_the_meta_device_traces_in_little_memory():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 8 * 2**20  # KiB: < 8 GiB
 
 
+class _Normed(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+        self.norm = torch.nn.LayerNorm(256) if norm == "layer" else torch.nn.GroupNorm(8, 256)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.norm(h if isinstance(self.norm, torch.nn.LayerNorm) else h.unsqueeze(-1)).sum()
+
+
+@pytest.mark.parametrize("norm", ["layer", "group"])
+def test_layer_and_group_norm_under_autocast_on_the_cpu(norm):
+    # A bf16 input with fp32 weights: the CPU kernels keep mean and inverse std in fp32,
+    # where the meta kernel gave them bf16, and the kernel probe could not run the backward
+    # on those: its scratch went uncounted (14% and 29% low).
+    torch.manual_seed(0)
+    model, x = _Normed(norm), torch.randn(2048, 256)
+    loss = lambda o: o.float()  # noqa: E731
+    measured = measure_step(model, (x,), loss_fn=loss, autocast=torch.bfloat16)
+    t = pymemplan.trace(model, (x,), loss_fn=loss, device="cpu", autocast=torch.bfloat16)
+    assert abs(t.peak_bytes - measured.peak_bytes) <= 0.001 * measured.peak_bytes
+
+
 def test_cpu_kernel_scratch_is_measured_not_guessed():
     # oneDNN convolution works in copies of its tensors that never show as tensors: the
     # probe finds them by running each conv signature once; without it they are missed.
