@@ -581,12 +581,16 @@ def _mixed_batch_norm_stats(args, out):
     but torch's meta kernel gives them the input's dtype. Correct them, so the saved
     statistics have their real size and the CPU kernel probe does not run
     ``native_batch_norm_backward`` on half-size buffers (it reads past them)."""
+    return _fp32_stats(args[0], args[1:5], out)
+
+
+def _fp32_stats(x, params, out):
+    """``out`` with its 2nd and 3rd tensors (a norm's mean and inverse std) made fp32 where
+    ``x`` is fp16/bf16 and a parameter among ``params`` is fp32."""
     import torch
 
-    x = args[0]
-    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
     if (x.dtype not in (torch.float16, torch.bfloat16)
-            or not any(p.dtype == torch.float32 for p in params)):
+            or not any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)):
         return out
     out = list(out)
     for i in (1, 2):
@@ -622,16 +626,9 @@ def _mixed_cpu_norm_stats(func, args, out):
         if x.device.type == "cpu" and out[0] is not None and out[0].dtype != x.dtype:
             return (torch.empty_like(out[0], dtype=x.dtype), *out[1:])
         return out
-    x = args[0]
-    params = args[2:4] if func is aten.native_layer_norm.default else args[1:3]
-    if (x.device.type != "cpu" or x.dtype not in (torch.float16, torch.bfloat16)
-            or not any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)):
+    if args[0].device.type != "cpu":
         return out
-    out = list(out)
-    for i in (1, 2):
-        if out[i].dtype != torch.float32:
-            out[i] = torch.empty_like(out[i], dtype=torch.float32)
-    return tuple(out)
+    return _fp32_stats(args[0], args[2:4] if func is aten.native_layer_norm.default else args[1:3], out)
 
 
 def run_op(func, args, kwargs, nonzero_density=None):

@@ -179,6 +179,11 @@ def ctc_loss_int_lengths(log_probs, targets, input_lengths, target_lengths, blan
         # The torch-function layer is off while its replacements run: the real function.
         return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths,
                                             blank, reduction, zero_infinity)
+    if (torch.is_autocast_enabled(log_probs.device.type)
+            and log_probs.dtype in (torch.float16, torch.bfloat16)):
+        # Autocast runs ctc_loss in fp32 (its fp32 list, CPU and CUDA alike); the aten op
+        # called below is not on that list, and has no half backward on the CPU.
+        log_probs = log_probs.float()
     batched = log_probs.dim() == 3
     lp = log_probs if batched else log_probs.unsqueeze(1)
     res = torch.ops.aten._ctc_loss(lp, targets.to(lp.device, torch.long), list(input_lengths),
