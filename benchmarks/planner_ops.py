@@ -61,6 +61,7 @@ def ops():
         "maximum": lambda h, m: torch.maximum(h, m.p).sum(),
         "minimum": lambda h, m: torch.minimum(h, m.p).sum(),
         "fmax": lambda h, m: torch.fmax(h, m.p).sum(),
+        "fmin": lambda h, m: torch.fmin(h, m.p).sum(),
         "pow_tensor": lambda h, m: h.abs().pow(m.s + 1).sum(),
         "pow2": lambda h, m: (h ** 2).sum(),
         "atan2": lambda h, m: torch.atan2(h, m.p.abs() + 1).sum(),

@@ -79,6 +79,9 @@ _INPLACE_IN_EAGER = {
     "BinaryCrossEntropyBackward0": {"aten.mul.Tensor": frozenset({"aten.logit.default"})},
     # clamp_backward with tensor bounds: where(...).masked_fill_(...)
     "ClampBackward0": {"aten.masked_fill.Scalar": frozenset({"aten.where.self"})},
+    # maximum, minimum, fmax, fmin: where(self == other, grad / 2, grad).masked_fill_(...)
+    **{node: {"aten.masked_fill.Scalar": frozenset({"aten.where.self"})}
+       for node in ("MaximumBackward0", "MinimumBackward0", "FmaxBackward0", "FminBackward0")},
 }
 _ZEROS = frozenset({"aten.zeros_like.default", "aten.zeros.default",
                     "aten.new_zeros.default"})
