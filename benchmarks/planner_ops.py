@@ -32,7 +32,6 @@ LOW = 0.005  # a prediction below the measured peak by more than this share is a
 # Predicted off on purpose or by a known gap (docs/planner.md, "Still predicted off").
 KNOWN = {
     "max_all": "CPU: eager makes the gradient's zeros before the sum whose int64 cast peaks",
-    "nonzero_static": "CPU: the kernel holds a whole nonzero of its input",
     "gaussian_nll": "reads its variance's values (var < 0 check): untraceable, with a clear error",
 }
 

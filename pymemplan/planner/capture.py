@@ -762,7 +762,8 @@ def _mask_scratch(func, args, density, profile) -> int:
     ``masked_select`` on CUDA. On the CPU, ``masked_select`` keeps the mask and its prefix sums
     as int64 instead, unless it takes the serial path (contiguous operands of one shape, under
     32,768 elements or one thread). Masks are sized by ``density``, as the ops' outputs are
-    (:func:`_at_density`); 0 without one. On CUDA, ``masked_scatter`` takes an int64 prefix
+    (:func:`_at_density`); 0 without one (``nonzero_static`` on the CPU, whose output has a
+    fixed size: every element counted then). On CUDA, ``masked_scatter`` takes an int64 prefix
     sum of its mask, and its backward selects as many elements as the source has (on the
     CPU, the kernel probe measures both, with true masks: probe.py)."""
     import math
@@ -778,6 +779,12 @@ def _mask_scratch(func, args, density, profile) -> int:
         # grad.masked_select(mask): as many true elements as the source has
         mask = args[1]
         return profile.device_bytes(min(mask.numel(), math.prod(args[2])) * mask.dim() * 8)
+    if profile.name == "cpu" and func is aten.nonzero_static.default:
+        # The CPU kernel makes the whole nonzero of its input, then copies the first `size`
+        # rows: counted at the density, or with every element nonzero without one.
+        x = args[0]
+        count = x.numel() if density is None else int(round(x.numel() * density))
+        return count * max(x.dim(), 1) * 8
     if density is None:
         return 0
     if func is aten.masked_select.default:
