@@ -322,3 +322,31 @@ def test_module_patterns_that_match_nothing_are_named_as_the_problem():
         t.plan(t.peak_bytes // 2, model=m, inputs=(x,), modules=["encoder.*"])
     assert not isinstance(e.value, BudgetTooSmallError)
     assert t.plan(t.peak_bytes, model=m, inputs=(x,), modules=["?"]).budget_bytes == t.peak_bytes
+
+
+class _MixedScatter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # eager refuses it too: the source is fp16, the destination fp32
+        return torch.zeros(4, 8).scatter_add(1, torch.zeros(4, 8, dtype=torch.long),
+                                             self.lin(x).half()).sum()
+
+
+def test_an_op_the_fake_kernel_refuses_gives_one_clear_error_and_no_logged_traceback():
+    # FakeTensorMode logs the kernel's refusal with its traceback at error level before
+    # raising it: 19 lines of torch internals above the planner's own message.
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.addHandler(handler)
+    try:
+        with pytest.raises(UntraceableError, match=r"scatter_add.*Expected self.dtype to be equal"):
+            pymemplan.trace(_MixedScatter(), (torch.randn(4, 8),))
+    finally:
+        log.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR]

@@ -1312,11 +1312,27 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
     ``probe_limit`` > 0 (CPU target only): measure kernel scratch (probe.py) of op
     signatures whose tensors fit in that many bytes."""
     # The forward's Python side effects (state made lazily, counters) are undone after it.
-    with kept_as_it_was(model), function_caches_kept(), eager_paths():
+    with kept_as_it_was(model), function_caches_kept(), eager_paths(), _fake_kernel_log_quiet():
         return _capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
                         autocast=autocast, train=train, progress=progress,
                         probe_limit=probe_limit, grads_present=grads_present,
                         grad_scaler=grad_scaler, nonzero_density=nonzero_density)
+
+
+@contextlib.contextmanager
+def _fake_kernel_log_quiet():
+    """FakeTensorMode logs a fake kernel's refusal (a model's dtype error, say) with its whole
+    traceback at error level before raising it; the planner's own error says the same, with
+    the op, the module and the operands' shapes, so the log is held back while tracing."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, progress,
