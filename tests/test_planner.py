@@ -276,6 +276,25 @@ def test_layer_and_group_norm_under_autocast_on_the_cpu(norm):
     assert abs(t.peak_bytes - measured.peak_bytes) <= 0.001 * measured.peak_bytes
 
 
+class _LogDet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.lin(x).view(-1, 16, 16)
+        return torch.logdet(h @ h.mT + torch.eye(16)).sum()
+
+
+def test_the_probe_runs_lu_solve_on_pivots_it_accepts():
+    # logdet's backward solves with the LU factorization's pivots; on zero pivots the kernel
+    # refuses to run, so the probe measured nothing and its scratch went uncounted (32 KiB).
+    torch.manual_seed(0)
+    model, x = _LogDet(), torch.randn(2048, 256)
+    measured = measure_step(model, (x,), loss_fn=lambda o: o).peak_bytes
+    assert pymemplan.trace(model, (x,), loss_fn=lambda o: o, device="cpu").peak_bytes == measured
+
+
 def test_cpu_kernel_scratch_is_measured_not_guessed():
     # oneDNN convolution works in copies of its tensors that never show as tensors: the
     # probe finds them by running each conv signature once; without it they are missed.

@@ -100,6 +100,24 @@ def _true_mask(func, args) -> tuple:
     return (args[0], true, *args[2:])
 
 
+def _valid_pivots(func, args) -> tuple:
+    """Pivots of an LU factorization (``linalg_lu_solve``, ``lu_unpack``) that the kernel
+    accepts: on zeros it refuses to run ("Pivots given to lu_solve must all be greater or
+    equal to 1"), and its scratch went uncounted. No row swaps (1, 2, ..., n)."""
+    import torch
+
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return args
+    out = list(args)
+    for i, a in enumerate(schema.arguments[:len(out)]):
+        t = out[i]
+        if a.name in ("pivots", "LU_pivots") and isinstance(t, torch.Tensor) and t.dim() > 0:
+            n = t.shape[-1]
+            out[i] = torch.arange(1, n + 1, dtype=t.dtype).expand(t.shape).contiguous()
+    return tuple(out)
+
+
 def _zeros_like_key(k):
     import torch
 
@@ -222,6 +240,7 @@ class ProbeSet:
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
                 if str(func) in _MASK_SENSITIVE:
                     args = _true_mask(func, args)
+                args = _valid_pivots(func, args)
                 with torch.set_grad_enabled(key[3]), record(device="cpu", name=str(func)) as rec:
                     out = func(*args, **kwargs)
             except Exception:  # an op that cannot run on zeros (e.g. needs a positive size)
