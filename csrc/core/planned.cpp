@@ -674,7 +674,7 @@ bool PlannedAllocator::boundary(bool arm_now) {
   }
   if (armed_) {
     note_pass(n, p.period);
-    if (kept_for_recent_) trim_kept();
+    if (kept_floor_ > armed_footprint_) trim_kept();
   }
   // Made again from the pass that just ended (a remake, or a refinement), the plan arms anew
   // and its layout changes: packed against the holes of now, it may hold more than the one
@@ -747,7 +747,6 @@ void PlannedAllocator::trim_kept() {
   const std::size_t floor = recent_floor(armed_footprint_);
   const std::size_t dropped = kept_floor_ > floor ? kept_floor_ - floor : 0;
   kept_floor_ = floor;
-  kept_for_recent_ = floor > armed_footprint_;
   const auto reserved = static_cast<std::size_t>(pool_->reserved_bytes());
   if (dropped < page() || reserved <= floor) return;
   const std::size_t want = std::min(dropped, reserved - floor) / page() * page();
@@ -1111,11 +1110,10 @@ bool PlannedAllocator::arm(int v) {
   // several shapes take turns (batch sizes drawn at random, a sampling loop between training
   // steps), what one gave back the next mapped again, page by page (random training loops of
   // 40 steps: 10% fewer driver calls over their second halves, at the same memory).
-  const std::size_t floor = recent_floor(footprint);
-  kept_for_recent_ = trimmable.has_value() && floor > footprint;
+  const std::size_t floor = trimmable ? recent_floor(footprint) : footprint;
   kept_floor_ = floor;
   auto above_floor = [&] {
-    if (!kept_for_recent_) return std::numeric_limits<std::size_t>::max();  // all unused pages
+    if (floor <= footprint) return std::numeric_limits<std::size_t>::max();  // all unused pages
     const auto r = static_cast<std::size_t>(pool_->reserved_bytes());
     return r > floor ? (r - floor) / page() * page() : 0;
   };

@@ -399,8 +399,8 @@ class PlannedAllocator : public Allocator {
     std::size_t period;
   };
   std::vector<RecentPass> recent_passes_;
-  bool kept_for_recent_ = false;  // the armed plan kept pages mapped above its footprint ...
-  std::size_t kept_floor_ = 0;     // ... up to this reserved memory
+  // Reserved memory the armed plan kept mapped for them; above its footprint, pages were kept.
+  std::size_t kept_floor_ = 0;
   std::size_t armed_footprint_ = 0;  // the armed plan's (last_footprint_ may be a refused one's)
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all
