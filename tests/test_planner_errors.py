@@ -350,3 +350,52 @@ def test_an_op_the_fake_kernel_refuses_gives_one_clear_error_and_no_logged_trace
     finally:
         log.removeHandler(handler)
     assert not [r for r in records if r.levelno >= logging.ERROR]
+
+
+class _MixedIndexOps(nn.Module):
+    """An MoE layer's pattern: expert outputs (bf16 under autocast) accumulated into an fp32
+    buffer. Eager refuses each of these; the meta kernels do not check the dtypes."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x):
+        y = self.lin(x)  # bf16 under autocast
+        buf = torch.zeros(4, 8, device=x.device)
+        idx = torch.arange(4, device=x.device)
+        if self.how == "index_add":
+            out = buf.index_add(0, idx, y)
+        elif self.how == "setitem":
+            buf[idx] = y
+            out = buf
+        elif self.how == "index_put":
+            out = buf.index_put((idx,), y, accumulate=True)
+        else:
+            out = buf.put(idx, y[:, 0])
+        return out.sum()
+
+
+@pytest.mark.parametrize("how,message", [
+    ("index_add", r"index_add_\(\): self \(Float\) and source \(BFloat16\) must have the same"),
+    ("setitem", r"Index put requires the source and destination dtypes match, got Float"),
+    ("index_put", r"Index put requires the source and destination dtypes match"),
+    ("put", r"put_\(\): self and source expected to have the same dtype"),
+])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_index_ops_with_a_source_of_another_dtype_fail_as_in_eager(how, message, device):
+    model = _MixedIndexOps(how)
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=message):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)  # eager on the CPU refuses it
+    if device == "cuda" and how == "index_put":
+        # CUDA's autocast promotes the out-of-place index_put (not the in-place one a
+        # setitem makes): eager on CUDA runs it, and so does the trace.
+        assert pymemplan.trace(model, (x,), autocast=torch.bfloat16, device=device).peak_bytes > 0
+    else:
+        with pytest.raises(UntraceableError, match=message + r".*cast the source to torch.float32"):
+            pymemplan.trace(model, (x,), autocast=torch.bfloat16, device=device)
+    # Without autocast the dtypes agree, and it traces.
+    assert pymemplan.trace(model, (x,), device=device).peak_bytes > 0

@@ -138,6 +138,8 @@ class _Recorder:
         # operands' frees right after it are being watched: (op index, result id,
         # operand ids, operand ids freed since).
         self.sum_watch: tuple | None = None
+        # Autocast on a CUDA target: the trace runs the CPU's autocast lists (see dispatch).
+        self.cuda_autocast = False
         self.sum_aliases: list[tuple[int, int]] = []  # (operand, sum): see _settle_sum
         # (operand, result, op index, roots): ops in place in eager (_note_inplace)
         self.inplace_ops: list[tuple[int, int, int, frozenset]] = []
@@ -462,6 +464,7 @@ class _Recorder:
         self.op_calls.append(calls)
         self.op_reads.append(tuple(t for t in (self.live.get(k) for k in in_keys) if t is not None))
         try:
+            _refuse_mixed_dtypes(func, args, self.cuda_autocast)
             out = run_op(func, args, kwargs, density)
         except Exception as e:
             if self.error is None:
@@ -562,6 +565,62 @@ def _refuse_sparse(func, tensors) -> None:
                 "sparse gradient of nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)). "
                 "Trace the model with sparse=False for an upper bound: a dense gradient is the "
                 "size of the weight, a sparse one that of the rows the batch looked up.")
+
+
+@functools.lru_cache(maxsize=None)
+def _same_dtype_ops() -> dict:
+    """Ops whose source must have the destination's dtype, which their CPU and CUDA kernels
+    check and their meta kernels do not: under fake tensors they trace where eager raises
+    (an MoE layer's index_add_ of bf16 expert outputs into an fp32 buffer under autocast).
+    Op -> (argument index of the source, eager's message)."""
+    import torch
+
+    aten = torch.ops.aten
+    table = {
+        "index_add": (3, "index_add_(): self ({self}) and source ({src}) must have the same "
+                         "scalar type"),
+        "index_copy": (3, "index_copy_(): self and source expected to have the same dtype, but "
+                          "got (self) {self} and (source) {src}"),
+        "index_reduce": (3, "index_reduce_(): self ({self}) and source ({src}) must have the "
+                            "same scalar type"),
+        "index_put": (2, "Index put requires the source and destination dtypes match, got "
+                         "{self} for the destination and {src} for the source."),
+        "_index_put_impl_": (2, "Index put requires the source and destination dtypes match, "
+                                "got {self} for the destination and {src} for the source."),
+        "put": (2, "put_(): self and source expected to have the same dtype, but got "
+                   "self.dtype = {self} and source.dtype = {src}"),
+    }
+    ops = {}
+    for name, rule in table.items():
+        for variant in (name, name + "_"):
+            packet = getattr(aten, variant, None)
+            if packet is not None and hasattr(packet, "default"):
+                ops[packet.default] = rule
+    return ops
+
+
+def _scalar_type(dtype) -> str:
+    import torch
+
+    # c10's names, as eager's messages print them (torch.float32 -> Float).
+    return torch.empty(0, dtype=dtype, device="meta").type().rsplit(".", 1)[-1].removesuffix("Tensor")
+
+
+def _refuse_mixed_dtypes(func, args, cuda_autocast: bool) -> None:
+    import torch
+
+    rule = _same_dtype_ops().get(func)
+    if rule is None or len(args) <= rule[0]:
+        return
+    if cuda_autocast and func is torch.ops.aten.index_put.default:
+        # CUDA's autocast casts the operands of the out-of-place index_put to the widest
+        # dtype (the planner runs the CPU's autocast lists, which do not): eager runs it.
+        return
+    self, src = args[0], args[rule[0]]
+    if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
+        raise RuntimeError(rule[1].format(self=_scalar_type(self.dtype), src=_scalar_type(src.dtype))
+                           + f" (eager PyTorch raises this too, on the CPU and on CUDA: cast the "
+                           f"source to {self.dtype} before {func.__name__.split('.')[0]})")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1448,6 +1507,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         grad_versions = {id(f): (f.grad, f.grad._version) for f in params if f.grad is not None}
         amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
+        rec.cuda_autocast = autocast is not None and profile.name != "cpu"
         try:
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)), \
                     rng_states_recorded(rec, profile), conversions_in_forward(model):
