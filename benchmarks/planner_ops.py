@@ -31,7 +31,6 @@ LOW = 0.005  # a prediction below the measured peak by more than this share is a
 
 # Predicted off on purpose or by a known gap (docs/planner.md, "Still predicted off").
 KNOWN = {
-    "max_all": "CPU: eager makes the gradient's zeros before the sum whose int64 cast peaks",
     "gaussian_nll": "reads its variance's values (var < 0 check): untraceable, with a clear error",
 }
 
@@ -108,6 +107,9 @@ def ops():
         "max_dim": lambda h, m: h.max(dim=1).values.sum(),
         "amax_dim": lambda h, m: h.amax(dim=1).sum(),
         "max_all": lambda h, m: h.max(),
+        "min_all": lambda h, m: torch.min(h),
+        "median_all": lambda h, m: h.median(),
+        "nanmedian_all": lambda h, m: torch.nanmedian(h),
         "amax_all": lambda h, m: h.amax(),
         "median_dim": lambda h, m: h.median(dim=1).values.sum(),
         "mode_dim": lambda h, m: h.mode(dim=1).values.sum(),
