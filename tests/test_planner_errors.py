@@ -391,11 +391,47 @@ def test_index_ops_with_a_source_of_another_dtype_fail_as_in_eager(how, message,
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)  # eager on the CPU refuses it
     if device == "cuda" and how == "index_put":
-        # CUDA's autocast promotes the out-of-place index_put (not the in-place one a
-        # setitem makes): eager on CUDA runs it, and so does the trace.
-        assert pymemplan.trace(model, (x,), autocast=torch.bfloat16, device=device).peak_bytes > 0
+        # CUDA's autocast casts the operands of the out-of-place index_put to the widest
+        # dtype (not those of the in-place one a setitem makes): eager on CUDA runs it, and
+        # so does the trace, with the cast.
+        t = pymemplan.trace(model, (x,), autocast=torch.bfloat16, device=device)
+        ops = [o.name for o in t.graph.ops if o.phase == "forward"]
+        before = ops[:ops.index("aten.index_put.default")]
+        # Linear's three casts, then the source's.
+        assert before.count("aten._to_copy.default") == 4, before
     else:
         with pytest.raises(UntraceableError, match=message + r".*cast the source to torch.float32"):
             pymemplan.trace(model, (x,), autocast=torch.bfloat16, device=device)
     # Without autocast the dtypes agree, and it traces.
     assert pymemplan.trace(model, (x,), device=device).peak_bytes > 0
+
+
+class _MixedPromoted(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x):
+        y = self.lin(x)  # bf16 under autocast
+        buf = torch.ones(4, 8)
+        if self.how == "scatter_add":
+            return buf.scatter_add(0, torch.zeros(4, 8, dtype=torch.long), y).sum()
+        return torch.dot(y[0], buf[0])
+
+
+@pytest.mark.parametrize("how", ["scatter_add", "dot"])
+def test_cuda_autocast_promotes_ops_the_cpus_autocast_does_not(how):
+    # CUDA's autocast casts the operands of these ops to the widest dtype; the CPU's does not,
+    # and eager on the CPU refuses them. The planner traces under the CPU's autocast, so the
+    # CUDA target refused a step that a GPU runs.
+    model, x = _MixedPromoted(how), torch.randn(4, 8)
+    with pytest.raises(RuntimeError):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+    with pytest.raises(UntraceableError, match=how):
+        pymemplan.trace(model, (x,), autocast=torch.bfloat16, device="cpu")
+    t = pymemplan.trace(model, (x,), autocast=torch.bfloat16, device="cuda")
+    ops = [o.name for o in t.graph.ops if o.phase == "forward"]
+    before = ops[:ops.index(f"aten.{how}.default")]
+    assert before.count("aten._to_copy.default") == 4, before  # Linear's three, the source's

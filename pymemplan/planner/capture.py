@@ -138,8 +138,6 @@ class _Recorder:
         # operands' frees right after it are being watched: (op index, result id,
         # operand ids, operand ids freed since).
         self.sum_watch: tuple | None = None
-        # Autocast on a CUDA target: the trace runs the CPU's autocast lists (see dispatch).
-        self.cuda_autocast = False
         self.sum_aliases: list[tuple[int, int]] = []  # (operand, sum): see _settle_sum
         # (operand, result, op index, roots): ops in place in eager (_note_inplace)
         self.inplace_ops: list[tuple[int, int, int, frozenset]] = []
@@ -464,7 +462,7 @@ class _Recorder:
         self.op_calls.append(calls)
         self.op_reads.append(tuple(t for t in (self.live.get(k) for k in in_keys) if t is not None))
         try:
-            _refuse_mixed_dtypes(func, args, self.cuda_autocast)
+            _refuse_mixed_dtypes(func, args)
             out = run_op(func, args, kwargs, density)
         except Exception as e:
             if self.error is None:
@@ -606,15 +604,11 @@ def _scalar_type(dtype) -> str:
     return torch.empty(0, dtype=dtype, device="meta").type().rsplit(".", 1)[-1].removesuffix("Tensor")
 
 
-def _refuse_mixed_dtypes(func, args, cuda_autocast: bool) -> None:
+def _refuse_mixed_dtypes(func, args) -> None:
     import torch
 
     rule = _same_dtype_ops().get(func)
     if rule is None or len(args) <= rule[0]:
-        return
-    if cuda_autocast and func is torch.ops.aten.index_put.default:
-        # CUDA's autocast casts the operands of the out-of-place index_put to the widest
-        # dtype (the planner runs the CPU's autocast lists, which do not): eager runs it.
         return
     self, src = args[0], args[rule[0]]
     if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
@@ -1507,7 +1501,6 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         grad_versions = {id(f): (f.grad, f.grad._version) for f in params if f.grad is not None}
         amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
-        rec.cuda_autocast = autocast is not None and profile.name != "cpu"
         try:
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)), \
                     rng_states_recorded(rec, profile), conversions_in_forward(model):
