@@ -189,3 +189,79 @@ def test_grads_present_traces_a_later_accumulation_micro_step():
     assert later.breakdown(later.graph.num_ops - 1)["gradient"] == grad_bytes
     assert later.peak_bytes > first.peak_bytes
     assert all(p.grad is None for p in model.parameters())
+
+
+class _Block(nn.Module):
+    """Ops the two autocasts treat differently: softmax, layer norm, exp, log_softmax and
+    nll_loss run in fp32 under CUDA's and in the lower precision under the CPU's; cumsum and
+    sum keep an fp32 result under CUDA's; einsum is cast down by CUDA's only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x, target):
+        h = self.lin(x)
+        a = torch.einsum("bi,bj->bij", h, h).softmax(-1).sum(-1)
+        h = self.norm(h + a) + h.exp().cumsum(-1)
+        return F.nll_loss(F.log_softmax(h, -1), target) + h.norm(dim=-1).sum()
+
+
+def _forward_dtypes(model, inputs, device, emulate):
+    """(op, output dtypes) of the forward pass on fake tensors, under bf16 autocast: the CPU's
+    with the planner's CUDA casts (emulate), or CUDA's own kernels on fake CUDA tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pymemplan.planner.autocast import cuda_autocast
+
+    log = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            dtypes = tuple(t.dtype for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            if dtypes and not str(func).startswith("prim."):
+                log.append((str(func), dtypes))
+            return out
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        state = {k: mode.from_tensor(v).to(device).requires_grad_(v.requires_grad)
+                 for k, v in model.named_parameters()}
+        args = [mode.from_tensor(t).to(device) for t in inputs]
+        if emulate:
+            with torch.autocast("cpu", dtype=torch.bfloat16), cuda_autocast(torch.bfloat16), Record():
+                functional_call(model, state, tuple(args))
+        else:
+            # CUDA's autocast cannot be entered without a GPU, but its kernels run on fake
+            # CUDA tensors once its thread-local state is set.
+            torch.set_autocast_enabled("cuda", True)
+            torch.set_autocast_dtype("cuda", torch.bfloat16)
+            torch.autocast_increment_nesting()
+            try:
+                with Record():
+                    functional_call(model, state, tuple(args))
+            finally:
+                torch.autocast_decrement_nesting()
+                torch.set_autocast_enabled("cuda", False)
+                torch.clear_autocast_cache()
+    return log
+
+
+def test_the_cuda_target_casts_as_cudas_autocast():
+    model = _Block()
+    inputs = (torch.randn(16, 32), torch.zeros(16, dtype=torch.long))
+    cuda = _forward_dtypes(model, inputs, "cuda", emulate=False)
+    ours = _forward_dtypes(model, inputs, "cpu", emulate=True)
+    assert ours == cuda
+    fp32 = [op for op, dtypes in cuda if dtypes[0] == torch.float32]
+    assert any("_softmax" in op for op in fp32) and any("layer_norm" in op for op in fp32)
+    # The trace for CUDA makes the casts a GPU makes (and saves softmax's output in fp32).
+    t = pymemplan.trace(model, inputs, autocast=torch.bfloat16)
+    casts = [o.name for o in t.graph.ops if o.phase == "forward" and o.name == "aten._to_copy.default"]
+    assert len(casts) == sum(op == "aten._to_copy.default" for op, _ in cuda)
+    assert t.peak_bytes > pymemplan.trace(model, inputs, autocast=torch.bfloat16, device="cpu").peak_bytes

@@ -37,6 +37,7 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
 from .errors import PlannerError, UntraceableError
 from .library_shims import eager_paths
 from .module_state import function_caches_kept, kept_as_it_was
+from .autocast import for_target as autocast_for_target
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
 
 
@@ -1501,9 +1502,12 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         grad_versions = {id(f): (f.grad, f.grad._version) for f in params if f.grad is not None}
         amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
+        # On a CUDA target the CPU's autocast casts as CUDA's (the whole step: activation
+        # checkpointing runs forward again, under autocast, in backward).
+        cuda_amp = autocast_for_target(profile, autocast)
         try:
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)), \
-                    rng_states_recorded(rec, profile), conversions_in_forward(model):
+                    rng_states_recorded(rec, profile), conversions_in_forward(model), cuda_amp:
                 # The fake state stays in place through backward, not just the forward
                 # (as functional_call would): activation checkpointing re-runs modules'
                 # forward during backward.

@@ -250,41 +250,6 @@ def cpu_evenly_distributed(real):
     return whole_tensor
 
 
-def cuda_autocast_promote(real):
-    """``real`` as CUDA's autocast runs it: with floating operands of several dtypes, each cast
-    to the widest first (aten/src/ATen/autocast_mode.h, AT_FORALL_PROMOTE). The planner
-    traces CPU tensors under the CPU's autocast, whose promote list lacks these ops: without
-    this, a step eager runs on a GPU (bf16 expert outputs ``scatter_add``-ed into an fp32
-    buffer) failed to trace on the CUDA target."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    def promoted(*args, **kwargs):
-        if not torch.is_autocast_enabled("cpu"):  # the trace's stand-in for CUDA's autocast
-            return real(*args, **kwargs)
-        floats = [a for a in pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        dtypes = {a.dtype for a in floats}
-        if len(dtypes) < 2:
-            return real(*args, **kwargs)
-        wide = functools.reduce(torch.promote_types, dtypes)
-
-        def cast(a):
-            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != wide:
-                return a.to(wide)
-            return a
-
-        args, kwargs = pytree.tree_map(cast, (args, kwargs))
-        return real(*args, **kwargs)
-
-    return promoted
-
-
-# CUDA's autocast promote list (AT_FORALL_PROMOTE) less what the CPU's promotes too.
-_CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
-                 "grid_sampler", "index_put", "tensordot", "scatter_add")
-
-
 def kernel_overrides(profile: DeviceProfile) -> dict:
     """torch function -> replacement, for the torch-function layer of capture."""
     import torch
@@ -297,8 +262,4 @@ def kernel_overrides(profile: DeviceProfile) -> dict:
                       for name in ("max", "min", "median", "nanmedian")
                       for f in (getattr(torch, name), getattr(torch.Tensor, name))}
         return {**general, **reductions}
-    promote = {f: cuda_autocast_promote(f) for name in _CUDA_PROMOTE
-               for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
-               if f is not None}
-    return {**general, **promote, F.scaled_dot_product_attention: cuda_sdpa,
-            F.dropout: cuda_dropout}
+    return {**general, F.scaled_dot_product_attention: cuda_sdpa, F.dropout: cuda_dropout}

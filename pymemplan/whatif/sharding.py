@@ -700,6 +700,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.probe import ProbeSet
+    from ..planner.autocast import for_target as autocast_for_target
     from ..planner.profile import kernel_overrides, state_on_device
 
     scaler_class = None
@@ -895,7 +896,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         state.rec = rec
         try:
             with fake_mode, mode, _function_mode(rec, kernel_overrides(profile)), \
-                    rng_states_recorded(rec, profile), conversions_in_forward(fmodel):
+                    rng_states_recorded(rec, profile), conversions_in_forward(fmodel), \
+                    autocast_for_target(profile, autocast):
                 phase_starts[FORWARD] = len(rec.ops)
                 loss = step()
                 activations = backward_phase(rec, loss, phase_starts)

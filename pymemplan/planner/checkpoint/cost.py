@@ -106,9 +106,11 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..capture import run_op
+    from ..autocast import for_target as autocast_for_target
     from ..profile import get_profile, kernel_overrides
 
-    overrides = kernel_overrides(get_profile(device))
+    profile = get_profile(device)
+    overrides = kernel_overrides(profile)
     if isinstance(autocast, str):
         autocast = getattr(torch, autocast)
 
@@ -212,7 +214,8 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             counter = FlopCounterMode(display=False)
             amp = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                    else contextlib.nullcontext())
-            with counter, Ops(), Kernels(), amp, eager_paths(), function_caches_kept():
+            with counter, Ops(), Kernels(), autocast_for_target(profile, autocast), amp, \
+                    eager_paths(), function_caches_kept():
                 torch.func.functional_call(model, state, args)
             # Python attributes the forward rebinds (a step counter, a schedule) are state
             # as its buffers are.
