@@ -265,3 +265,49 @@ def test_the_cuda_target_casts_as_cudas_autocast():
     casts = [o.name for o in t.graph.ops if o.phase == "forward" and o.name == "aten._to_copy.default"]
     assert len(casts) == sum(op == "aten._to_copy.default" for op, _ in cuda)
     assert t.peak_bytes > pymemplan.trace(model, inputs, autocast=torch.bfloat16, device="cpu").peak_bytes
+
+
+def test_every_op_cudas_autocast_casts_has_a_policy_in_the_trace():
+    # CUDA's autocast lists, as this torch registers them; cuDNN's ops are never called by a
+    # step traced on CPU tensors.
+    from pymemplan.planner import autocast as ac
+
+    registered = {n.removeprefix("aten::") for n in
+                  torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")}
+    ours = {*ac.LOWER, *ac.FP32, *ac.FP32_SET_OPT_DTYPE, *ac.PROMOTE, *ac.FP32_APPEND_DTYPE,
+            *ac.BANNED}
+    assert {n for n in registered - ours if "cudnn" not in n} == set()
+
+
+class _Probabilities(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.binary_cross_entropy(torch.sigmoid(self.lin(x)), torch.zeros(4, 16))
+
+
+class _Pool3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.avg_pool3d(self.lin(x).view(1, 4, 4, 2, 2), 2).float().sum()
+
+
+def test_what_only_one_autocast_does_follows_the_target():
+    x = torch.randn(4, 16)
+    # CUDA's autocast refuses binary_cross_entropy; the CPU's runs it in fp32.
+    with pytest.raises(pymemplan.UntraceableError, match="unsafe to autocast"):
+        pymemplan.trace(_Probabilities(), (x,), loss_fn=lambda o: o, autocast=torch.bfloat16)
+    pymemplan.trace(_Probabilities(), (x,), loss_fn=lambda o: o, autocast=torch.bfloat16,
+                    device="cpu")
+    # The CPU's autocast runs avg_pool3d in fp32; CUDA's leaves it in bf16.
+    for device, casts in (("cuda", 3), ("cpu", 4)):
+        t = pymemplan.trace(_Pool3d(), (x,), loss_fn=lambda o: o, autocast=torch.bfloat16,
+                            device=device)
+        forward = [o.name for o in t.graph.ops if o.phase == "forward"]
+        pool = forward.index("aten.avg_pool3d.default")
+        assert forward[:pool].count("aten._to_copy.default") == casts, (device, forward)

@@ -40,7 +40,7 @@ FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2"
         "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
         "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
         "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
-        "upsample_bicubic2d", "_upsample_bicubic2d_aa")
+        "upsample_bicubic2d", "_upsample_bicubic2d_aa", "linalg_matrix_sqrth")
 FP32_SET_OPT_DTYPE = ("prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod",
                       "cumsum", "linalg_vector_norm", "linalg_matrix_norm",
                       "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList")
@@ -57,10 +57,12 @@ BANNED = {"binary_cross_entropy": (
 
 
 def _op(name: str):
+    """The aten overload, or None where this torch has no such op."""
     import torch
 
     base, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), overload or "default")
+    packet = getattr(torch.ops.aten, base, None)
+    return getattr(packet, overload or "default", None) if packet is not None else None
 
 
 def _eligible(t) -> bool:
@@ -126,7 +128,7 @@ def _kernel(op, policy: str, casts: _Casts, lower):
     return run
 
 
-def _append_dtype(op, target, lower):
+def _append_dtype(op, target):
     import torch
     from torch.utils import _pytree as pytree
 
@@ -194,17 +196,22 @@ def cuda_autocast(lower):
     table = {**{n: "lower" for n in LOWER}, **{n: "fp32" for n in FP32},
              **{n: "set_opt_dtype" for n in FP32_SET_OPT_DTYPE},
              **{n: "promote" for n in PROMOTE}}
+    kernels = {}
+    for name in _cpu_only():
+        if name not in table and name not in BANNED and _op(name) is not None:
+            kernels[name] = _passthrough(_op(name))
+    for name, policy in table.items():
+        if _op(name) is not None:
+            kernels[name] = _kernel(_op(name), policy, casts, lower)
+    for name, target in FP32_APPEND_DTYPE.items():
+        if _op(name) is not None and _op(target) is not None:
+            kernels[name] = _append_dtype(_op(name), _op(target))
+    for name, message in BANNED.items():
+        kernels[name] = _banned(message)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-        for name in _cpu_only():
-            if name not in table and name not in BANNED:
-                lib.impl(name, _passthrough(_op(name)), "AutocastCPU")
-        for name, policy in table.items():
-            lib.impl(name, _kernel(_op(name), policy, casts, lower), "AutocastCPU")
-        for name, target in FP32_APPEND_DTYPE.items():
-            lib.impl(name, _append_dtype(_op(name), _op(target), lower), "AutocastCPU")
-        for name, message in BANNED.items():
-            lib.impl(name, _banned(message), "AutocastCPU")
+        for name, kernel in kernels.items():
+            lib.impl(name, kernel, "AutocastCPU")
     torch.clear_autocast_cache = clear_both
     try:
         yield
