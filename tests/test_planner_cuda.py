@@ -194,7 +194,8 @@ def test_grads_present_traces_a_later_accumulation_micro_step():
 class _Block(nn.Module):
     """Ops the two autocasts treat differently: softmax, layer norm, exp, log_softmax and
     nll_loss run in fp32 under CUDA's and in the lower precision under the CPU's; cumsum and
-    sum keep an fp32 result under CUDA's; einsum is cast down by CUDA's only."""
+    sum keep an fp32 result under CUDA's; einsum is cast down by CUDA's only; cross_entropy
+    is cast whole by the CPU's, and by CUDA's in the ops it is made of."""
 
     def __init__(self):
         super().__init__()
@@ -205,10 +206,11 @@ class _Block(nn.Module):
         h = self.lin(x)
         a = torch.einsum("bi,bj->bij", h, h).softmax(-1).sum(-1)
         h = self.norm(h + a) + h.exp().cumsum(-1)
-        return F.nll_loss(F.log_softmax(h, -1), target) + h.norm(dim=-1).sum()
+        return (F.nll_loss(F.log_softmax(h, -1), target) + h.norm(dim=-1).sum()
+                + F.cross_entropy(self.lin(x), target))
 
 
-def _forward_dtypes(model, inputs, device, emulate):
+def _forward_dtypes(model, inputs, device, emulate, dtype=torch.bfloat16):
     """(op, output dtypes) of the forward pass on fake tensors, under bf16 autocast: the CPU's
     with the planner's CUDA casts (emulate), or CUDA's own kernels on fake CUDA tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -230,17 +232,17 @@ def _forward_dtypes(model, inputs, device, emulate):
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        state = {k: mode.from_tensor(v).to(device).requires_grad_(v.requires_grad)
-                 for k, v in model.named_parameters()}
+        state = {k: mode.from_tensor(v).to(device).detach().requires_grad_(v.requires_grad)
+                 for k, v in model.named_parameters()}  # leaves, as parameters are
         args = [mode.from_tensor(t).to(device) for t in inputs]
         if emulate:
-            with torch.autocast("cpu", dtype=torch.bfloat16), cuda_autocast(torch.bfloat16), Record():
+            with torch.autocast("cpu", dtype=dtype), cuda_autocast(dtype), Record():
                 functional_call(model, state, tuple(args))
         else:
             # CUDA's autocast cannot be entered without a GPU, but its kernels run on fake
             # CUDA tensors once its thread-local state is set.
             torch.set_autocast_enabled("cuda", True)
-            torch.set_autocast_dtype("cuda", torch.bfloat16)
+            torch.set_autocast_dtype("cuda", dtype)
             torch.autocast_increment_nesting()
             try:
                 with Record():
@@ -252,19 +254,20 @@ def _forward_dtypes(model, inputs, device, emulate):
     return log
 
 
-def test_the_cuda_target_casts_as_cudas_autocast():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cuda_target_casts_as_cudas_autocast(dtype):
     model = _Block()
     inputs = (torch.randn(16, 32), torch.zeros(16, dtype=torch.long))
-    cuda = _forward_dtypes(model, inputs, "cuda", emulate=False)
-    ours = _forward_dtypes(model, inputs, "cpu", emulate=True)
+    cuda = _forward_dtypes(model, inputs, "cuda", emulate=False, dtype=dtype)
+    ours = _forward_dtypes(model, inputs, "cpu", emulate=True, dtype=dtype)
     assert ours == cuda
     fp32 = [op for op, dtypes in cuda if dtypes[0] == torch.float32]
     assert any("_softmax" in op for op in fp32) and any("layer_norm" in op for op in fp32)
     # The trace for CUDA makes the casts a GPU makes (and saves softmax's output in fp32).
-    t = pymemplan.trace(model, inputs, autocast=torch.bfloat16)
+    t = pymemplan.trace(model, inputs, autocast=dtype)
     casts = [o.name for o in t.graph.ops if o.phase == "forward" and o.name == "aten._to_copy.default"]
     assert len(casts) == sum(op == "aten._to_copy.default" for op, _ in cuda)
-    assert t.peak_bytes > pymemplan.trace(model, inputs, autocast=torch.bfloat16, device="cpu").peak_bytes
+    assert t.peak_bytes > pymemplan.trace(model, inputs, autocast=dtype, device="cpu").peak_bytes
 
 
 def test_every_op_cudas_autocast_casts_has_a_policy_in_the_trace():

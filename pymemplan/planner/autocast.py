@@ -102,6 +102,8 @@ def _kernel(op, policy: str, casts: _Casts, lower):
 
     below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     dtype_arg = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+    fused = {"softmax": torch.ops.aten._softmax.default,
+             "log_softmax": torch.ops.aten._log_softmax.default}.get(op._schema.name.removeprefix("aten::"))
 
     def run(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(below):
@@ -120,6 +122,10 @@ def _kernel(op, policy: str, casts: _Casts, lower):
                     else args[dtype_arg]
                 if given is None and any(_eligible(t) and t.dtype != torch.float32
                                          for t in pytree.tree_leaves(args)):
+                    if fused is not None and args[0].dtype == torch.float16:
+                        # CUDA's softmax and log_softmax read fp16 and write fp32 in one
+                        # kernel (SoftMax.cpp: half_to_float), with no fp32 copy of the input.
+                        return fused(args[0], args[1], True)
                     kwargs = {**kwargs, "dtype": torch.float32}
                     if dtype_arg is not None and len(args) > dtype_arg:
                         args = args[:dtype_arg]
@@ -156,11 +162,19 @@ def _banned(message):
 
 
 def _passthrough(op):
+    """What CUDA's autocast does with an op it has no kernel for: it falls through, and an op
+    made of others (cross_entropy_loss: log_softmax, then nll_loss) meets autocast again in
+    them, which CUDA's autocast casts. So such an op runs its decomposition here; any other
+    runs below autocast, as a kernel of its own would."""
     import torch
 
     below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
+                                                               "CompositeImplicitAutograd")
 
     def run(*args, **kwargs):
+        if composite:
+            return op.decompose(*args, **kwargs)
         with torch._C._ExcludeDispatchKeyGuard(below):
             return op(*args, **kwargs)
 
