@@ -145,6 +145,44 @@ def test_prediction_against_a_real_gpu_step():
         (predicted.peak_bytes, measured.peak_bytes)
 
 
+class _AutocastStep(nn.Module):
+    """What the two autocasts treat differently, at a size where it shows: softmax of scores,
+    layer norm, and a cross_entropy over a large vocabulary."""
+
+    def __init__(self, width=1024, vocab=32768):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, target):
+        h = self.proj(x)
+        h = self.norm(h + (h @ h.mT).softmax(-1) @ h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), target.flatten())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_prediction_against_a_real_gpu_step(dtype):
+    """On a GPU machine: a step under CUDA's autocast, predicted on fake CPU tensors with
+    CUDA's autocast lists (pymemplan/planner/autocast.py), against max_memory_allocated()."""
+    from pymemplan.planner.measure import measure_step
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = _AutocastStep()
+        x = torch.randn(8, 512, 1024)
+        target = torch.randint(0, 32768, (8, 512))
+    predicted = pymemplan.trace(model, (x, target), loss_fn=lambda o: o, autocast=dtype,
+                                optimizer=torch.optim.Adam)
+    measured = measure_step(model, (x, target), loss_fn=lambda o: o, autocast=dtype,
+                            optimizer=torch.optim.Adam)
+    gap = measured.peak_bytes - predicted.peak_bytes
+    assert -0.01 * measured.peak_bytes <= gap <= 0.02 * measured.peak_bytes + (80 << 20), \
+        (predicted.peak_bytes, measured.peak_bytes)
+
+
 class Blocks(nn.Module):
     """Attention blocks with dropout; ``checkpointed`` blocks run under
     torch.utils.checkpoint, which re-runs their forward during backward."""
