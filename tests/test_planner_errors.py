@@ -354,7 +354,8 @@ def test_an_op_the_fake_kernel_refuses_gives_one_clear_error_and_no_logged_trace
 
 class _MixedIndexOps(nn.Module):
     """An MoE layer's pattern: expert outputs (bf16 under autocast) accumulated into an fp32
-    buffer. Eager refuses each of these; the meta kernels do not check the dtypes."""
+    buffer. Eager on the CPU refuses each of these; the meta kernels of the index ops do not
+    check the dtypes."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -372,6 +373,10 @@ class _MixedIndexOps(nn.Module):
             out = buf
         elif self.how == "index_put":
             out = buf.index_put((idx,), y, accumulate=True)
+        elif self.how == "scatter_add":
+            out = buf.scatter_add(0, torch.zeros(4, 8, dtype=torch.long, device=x.device), y)
+        elif self.how == "dot":
+            return torch.dot(y[0], buf[0])
         else:
             out = buf.put(idx, y[:, 0])
         return out.sum()
@@ -406,26 +411,12 @@ def test_index_ops_with_a_source_of_another_dtype_fail_as_in_eager(how, message,
     assert pymemplan.trace(model, (x,), device=device).peak_bytes > 0
 
 
-class _MixedPromoted(nn.Module):
-    def __init__(self, how: str):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.how = how
-
-    def forward(self, x):
-        y = self.lin(x)  # bf16 under autocast
-        buf = torch.ones(4, 8)
-        if self.how == "scatter_add":
-            return buf.scatter_add(0, torch.zeros(4, 8, dtype=torch.long), y).sum()
-        return torch.dot(y[0], buf[0])
-
-
 @pytest.mark.parametrize("how", ["scatter_add", "dot"])
 def test_cuda_autocast_promotes_ops_the_cpus_autocast_does_not(how):
     # CUDA's autocast casts the operands of these ops to the widest dtype; the CPU's does not,
     # and eager on the CPU refuses them. The planner traces under the CPU's autocast, so the
     # CUDA target refused a step that a GPU runs.
-    model, x = _MixedPromoted(how), torch.randn(4, 8)
+    model, x = _MixedIndexOps(how), torch.randn(4, 8)
     with pytest.raises(RuntimeError):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)
