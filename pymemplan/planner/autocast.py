@@ -10,8 +10,10 @@ Inside :func:`cuda_autocast`, the AutocastCPU kernels follow CUDA's lists instea
 (``aten/src/ATen/autocast_mode.h``: AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
 AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, and the two ``norm`` overloads that append a
 dtype), with CUDA's rules for which tensors are cast and which casts are cached. Ops the CPU's
-autocast casts and CUDA's does not pass through unchanged. The kernels are registered for the
-duration of a trace and removed after it.
+autocast casts and CUDA's does not fall through, as under CUDA's: those made of other ops run
+them, and autocast meets those. The kernels are registered for the duration of a trace and
+removed after it; the registration is process-wide, so other threads under the CPU's autocast
+meanwhile get CUDA's lists too.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ def _kernel(op, policy: str, casts: _Casts, lower):
 
     below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     dtype_arg = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
-    fused = {"softmax": torch.ops.aten._softmax.default,
-             "log_softmax": torch.ops.aten._log_softmax.default}.get(op._schema.name.removeprefix("aten::"))
+    fused = {"aten::softmax": torch.ops.aten._softmax.default,
+             "aten::log_softmax": torch.ops.aten._log_softmax.default}.get(op._schema.name)
 
     def run(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(below):
@@ -139,7 +141,6 @@ def _append_dtype(op, target):
     from torch.utils import _pytree as pytree
 
     below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-
     positional = [a for a in op._schema.arguments if not a.kwarg_only]
 
     def run(*args, **kwargs):

@@ -602,7 +602,8 @@ def _scalar_type(dtype) -> str:
     import torch
 
     # c10's names, as eager's messages print them (torch.float32 -> Float).
-    return torch.empty(0, dtype=dtype, device="meta").type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    name = torch.empty(0, dtype=dtype, device="meta").type()  # "torch.BFloat16Tensor"
+    return name.rsplit(".", 1)[-1].removesuffix("Tensor")
 
 
 def _refuse_mixed_dtypes(func, args) -> None:
@@ -613,9 +614,10 @@ def _refuse_mixed_dtypes(func, args) -> None:
         return
     self, src = args[0], args[rule[0]]
     if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
-        raise RuntimeError(rule[1].format(self=_scalar_type(self.dtype), src=_scalar_type(src.dtype))
-                           + f" (eager PyTorch raises this too, on the CPU and on CUDA: cast the "
-                           f"source to {self.dtype} before {func.__name__.split('.')[0]})")
+        eager = rule[1].format(self=_scalar_type(self.dtype), src=_scalar_type(src.dtype))
+        raise RuntimeError(f"{eager} (eager PyTorch raises this too, on the CPU and on CUDA: "
+                           f"cast the source to {self.dtype} before "
+                           f"{func.__name__.split('.')[0]})")
 
 
 @functools.lru_cache(maxsize=None)
