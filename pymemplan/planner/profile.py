@@ -26,8 +26,6 @@ convolution workspaces and cuBLAS workspaces, sort buffers inside some CUDA kern
 
 from __future__ import annotations
 
-import functools
-
 import math
 from dataclasses import dataclass
 

@@ -699,8 +699,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                                    conversions_in_forward)
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
-    from ..planner.probe import ProbeSet
     from ..planner.autocast import for_target as autocast_for_target
+    from ..planner.probe import ProbeSet
     from ..planner.profile import kernel_overrides, state_on_device
 
     scaler_class = None

@@ -105,8 +105,8 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..capture import run_op
     from ..autocast import for_target as autocast_for_target
+    from ..capture import run_op
     from ..profile import get_profile, kernel_overrides
 
     profile = get_profile(device)
