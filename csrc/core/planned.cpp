@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
@@ -24,6 +25,11 @@ constexpr std::size_t kMaxCandidates = 64;
 constexpr std::size_t kMaxChain = 256;
 // Detection runs at most once per (its work / kDetectBudget) events.
 constexpr std::size_t kDetectBudget = 32;
+// Candidate periods whose coverage is within this of the best one's are tied (see detect()).
+constexpr double kTieMargin = 0.02;
+// Two candidates predict the same period if this share of their events (sampled) are equal:
+// the rest are frees whose distance depends on the step before.
+constexpr double kSameShare = 0.95;
 // Validation: a plan is armed at its cut only after a pass (cut to cut, or from adoption to
 // the cut) in which requests of less than arena / kArmShare bytes failed to match it; an armed
 // plan lets its arena go once mismatched requests exceed arena / kDisarmShare bytes in a pass.
@@ -289,6 +295,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("arm_refusals", num(arm_refusals_));
   put("refinements", num(refinements_));
   put("remakes", num(remakes_));
+  put("detection_ties", num(ties_));
   put("layouts_kept", num(layouts_kept_));
   put("full_rearms", num(full_rearms_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
@@ -524,8 +531,11 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
       // this one: its arena, a segment of its own made early, is memory the pool cannot take
       // pages from as it grows (a random training loop held 1.065 of live, 1.050 without).
       if (plans_[i].imported && !config_.pool.vmm) continue;
+      // The active plan that matched this request is not adopted again: where its first
+      // requests recur inside its period (identical layers), that would move a cursor that
+      // is in step to one that is not.
       if (plans_[i].prefix == h && plans_[i].slots.size() > kPrefix &&
-          (i != active_ || cursor_ != kPrefix) && worth_an_arena(plans_[i]) &&
+          (i != active_ || (cursor_ != kPrefix && slot == nullptr)) && worth_an_arena(plans_[i]) &&
           (slot == nullptr || !plans_[i].passed_over)) {
         adopt(i, kPrefix);
         ++plan_switches_;
@@ -1221,6 +1231,14 @@ void PlannedAllocator::index_windows(std::uint64_t n) {
 void PlannedAllocator::detect() {
   const std::uint64_t n = base_ + events_.size();
   const std::size_t w = config_.match_window;
+  if (!tied_.empty()) {
+    if (!should_plan(n)) {
+      tied_.clear();  // a plan matches the stream again
+    } else {
+      narrow_tie(n);
+      return;
+    }
+  }
   if (events_.size() < w || n < next_detect_ || !should_plan(n)) return;
   index_windows(n);
   std::size_t best_p = 0;
@@ -1228,6 +1246,7 @@ void PlannedAllocator::detect() {
   std::size_t examined = 0, largest = 0, work = 0;
   std::uint64_t oldest = kNever;
   std::size_t repeats = 0;  // the shortest confirmed period among the candidates so far
+  std::vector<std::pair<std::size_t, double>> scored;  // (period, score)
   auto consider = [&](std::uint64_t end) {
     const std::uint64_t p64 = n - end;
     if (p64 < config_.min_period || p64 > config_.max_period || n - base_ < p64) return;
@@ -1251,6 +1270,7 @@ void PlannedAllocator::detect() {
     work += p / stride;
     const double cov = coverage(n, p, nullptr, stride);
     const double score = cov + (confirmed ? 0.01 : 0.0);
+    scored.emplace_back(p, score);
     if (score > best_score) {
       best_score = score;
       best_cov = cov;
@@ -1274,6 +1294,32 @@ void PlannedAllocator::detect() {
   // The next detection waits for at least work / kDetectBudget more events, so that detection
   // costs O(kDetectBudget) steps per event at most, amortized.
   const std::size_t pause = work / kDetectBudget;
+  if (best_p != 0 && best_cov >= kMinCoverage && repeats == 0 && large_window(n, best_p)) {
+    // Where steps of several shapes come in any order, the window at a step's start may hold
+    // nothing of the new step's shape (the end of the last step, its first requests of a
+    // fixed size): it recurs at the start of every step, and candidates one, two, three
+    // steps back cover their bytes alike (a longer period covers at least what a shorter one
+    // does). They predict different steps. The choice waits for the requests that follow,
+    // which tell them apart (narrow_tie()). Confirmed candidates (the period repeated just
+    // before) are not in doubt, and nor are windows too small to make a plan worth an arena.
+    std::vector<std::size_t> tied;
+    bool differ = false;
+    for (const auto& [p, score] : scored) {
+      if (score + kTieMargin < best_score) continue;
+      tied.push_back(p);
+      differ = differ || !same_period(n, p, best_p);
+    }
+    if (differ) {
+      ++ties_;
+      tied_ = std::move(tied);
+      tie_since_ = tie_checked_ = n;
+      tie_unit_ = *std::min_element(tied_.begin(), tied_.end());
+      const auto whole = [&](std::size_t p) { return p % tie_unit_ == 0; };
+      if (!std::all_of(tied_.begin(), tied_.end(), whole)) tie_unit_ = 0;
+      tie_pause_ = std::max(w, pause);
+      return;
+    }
+  }
   if (best_p != 0 && best_cov >= kMinCoverage) {
     std::vector<std::size_t> lifetimes;
     coverage(n, best_p, &lifetimes);
@@ -1281,6 +1327,101 @@ void PlannedAllocator::detect() {
     next_detect_ = n + std::max({best_p / 2, w, pause});
   } else if (examined > 0) {
     next_detect_ = n + std::max({largest / 4, w, pause});
+  }
+}
+
+bool PlannedAllocator::same_period(std::uint64_t n, std::size_t p, std::size_t q) const {
+  // Whether periods p and q, read from their start (what each predicts comes next), hold the
+  // same events over the shorter of the two, on a sample of at most ~256 of them.
+  const std::size_t a = std::min(p, q);
+  const std::size_t stride = std::max<std::size_t>(1, a / 256);
+  std::size_t same = 0, all = 0;
+  for (std::size_t i = 0; i < a; i += stride, ++all) {
+    if (ev(n - p + i).token == ev(n - q + i).token) ++same;
+  }
+  return static_cast<double>(same) >= kSameShare * static_cast<double>(all);
+}
+
+bool PlannedAllocator::large_window(std::uint64_t n, std::size_t period) const {
+  // Whether the bytes allocated in the last `period` events could make a plan worth an arena.
+  double total = 0.0;
+  for (std::uint64_t g = n - period; g < n; ++g) {
+    if (ev(g).alloc) total += static_cast<double>(ev(g).size);
+  }
+  return total >= kMinPlanShare * static_cast<double>(live_hwm_);
+}
+
+void PlannedAllocator::narrow_tie(std::uint64_t n) {
+  // Each event since the last call drops the tied periods that did not predict it.
+  const std::size_t before = tied_.size();
+  for (std::uint64_t g = tie_checked_; g < n && !tied_.empty(); ++g) {
+    const auto missed = [&](std::size_t p) {
+      return g < base_ + p || ev(g).token != ev(g - p).token;
+    };
+    tied_.erase(std::remove_if(tied_.begin(), tied_.end(), missed), tied_.end());
+  }
+  tie_checked_ = n;
+  if (tied_.empty()) {
+    // None predicted the stream (a shape not seen within the tie's reach). Where the tied
+    // periods were whole steps, the last step is a step of some shape: planned alone, it is
+    // a stored plan for when that shape comes back.
+    if (tie_unit_ != 0) {
+      std::vector<std::size_t> lifetimes;
+      if (coverage(tie_since_, tie_unit_, &lifetimes) >= kMinCoverage) {
+        build_plan(tie_since_, tie_unit_, lifetimes, kNoOffset, false,
+                   static_cast<std::size_t>(n - tie_since_));
+        next_detect_ = n + std::max(tie_unit_ / 2, tie_pause_);
+        return;
+      }
+    }
+    next_detect_ = n;  // detection starts afresh
+    return;
+  }
+  const std::size_t shortest = *std::min_element(tied_.begin(), tied_.end());
+  const std::size_t longest = *std::max_element(tied_.begin(), tied_.end());
+  bool agree = tied_.size() == 1;
+  if (!agree && tied_.size() < before) {
+    const auto alike = [&](std::size_t p) { return same_period(n, p, longest); };
+    agree = std::all_of(tied_.begin(), tied_.end(), alike);
+  }
+  // Undecided after half the shortest period: decided on coverage alone, as without a tie.
+  if (!agree && n - tie_since_ < shortest / 2) return;
+  std::size_t best_p = 0;
+  double best_cov = -1.0;
+  // Planned from the window the tie was found at (the periods were scored there), with the
+  // cursor where the stream is now.
+  const std::uint64_t at = tie_since_;
+  for (std::size_t p : tied_) {
+    const double cov = coverage(at, p, nullptr);
+    if (cov > best_cov) {
+      best_cov = cov;
+      best_p = p;
+    }
+  }
+  const std::size_t work = std::accumulate(tied_.begin(), tied_.end(), std::size_t{0});
+  tied_.clear();
+  if (best_cov >= kMinCoverage) {
+    // Where the tied periods were whole numbers of one step (steps of equal length taking
+    // turns), the plan is the first step of the period that predicted the stream: the step
+    // of the shape now coming, alone, not the steps that followed it then.
+    std::uint64_t end = at;
+    std::size_t period = best_p;
+    if (tie_unit_ != 0 && best_p > tie_unit_) {
+      end = at - best_p + tie_unit_;
+      period = tie_unit_;
+    }
+    std::vector<std::size_t> lifetimes;
+    const double c = coverage(end, period, &lifetimes);
+    if (c < kMinCoverage) {
+      end = at;
+      period = best_p;
+      lifetimes.clear();
+      coverage(end, period, &lifetimes);
+    }
+    build_plan(end, period, lifetimes, kNoOffset, false, static_cast<std::size_t>(n - end));
+    next_detect_ = n + std::max({best_p / 2, tie_pause_, work / kDetectBudget});
+  } else {
+    next_detect_ = n + std::max(tie_pause_, work / kDetectBudget);
   }
 }
 
@@ -1313,7 +1454,7 @@ double PlannedAllocator::coverage(std::uint64_t n, std::size_t period,
 
 void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
                                   const std::vector<std::size_t>& lifetimes, std::size_t replace,
-                                  bool at_mark) {
+                                  bool at_mark, std::size_t ahead) {
   const std::uint64_t s = n - period;
   struct A {
     std::size_t t, life, size;
@@ -1340,7 +1481,8 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   const std::uint64_t signature =
       range_hash(s + cut, n) * pow_base(cut) + range_hash(s, s + cut);
   auto rotated = [&](std::size_t t) { return (t + period - cut) % period; };
-  const std::size_t now = rotated(0);  // the next request is at time `period` == 0 (mod period)
+  // The next request is at time `period + ahead` (mod period) of the window.
+  const std::size_t now = rotated(ahead % period);
   for (std::size_t i = 0; i < plans_.size() && replace == kNoOffset; ++i) {
     if (plans_[i].signature == signature) {
       // Seen before (alternating shapes come back): no packing, continue from `now`. A plan

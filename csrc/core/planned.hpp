@@ -26,7 +26,13 @@
 //   there is no plan, the active plan diverged within its last period, or the active plan is
 //   too small to arm (a period of layers must not hide the iteration), at most once per (its
 //   work / 32) events; while a plan worth arming matches, the window index is not even
-//   updated (it catches up later).
+//   updated (it catches up later). Candidates within 0.02 of the best coverage that predict
+//   different periods (their events differ, read from their start) are a tie: the window
+//   does not say which period comes (the start of a step, where steps of several shapes take
+//   turns). The requests that follow drop the candidates that did not predict them, until
+//   the rest agree or half the shortest period has passed; the best of them is planned from
+//   the window the tie was found at. Ties are looked for only among unconfirmed candidates
+//   whose window allocated enough to make a plan worth an arena.
 // - Cut. The plan's period is rotated to start where the fewest planned bytes are alive (the
 //   iteration boundary in training); blocks alive across it wrap around the circle. Blocks
 //   living longer than a period (parameters, optimizer state) stay with the pool.
@@ -319,13 +325,20 @@ class PlannedAllocator : public Allocator {
   Event& ev(std::uint64_t g) { return events_[static_cast<std::size_t>(g - base_)]; }
   void index_windows(std::uint64_t n);
   void detect();
+  // Detection found candidate periods tied on coverage that predict different periods: each
+  // event from now drops those that did not predict it, until the rest agree (or half the
+  // shortest period has passed); then the best of them is planned.
+  void narrow_tie(std::uint64_t n);
+  bool same_period(std::uint64_t n, std::size_t p, std::size_t q) const;
+  bool large_window(std::uint64_t n, std::size_t period) const;
   double coverage(std::uint64_t n, std::size_t period, std::vector<std::size_t>* lifetimes,
                   std::size_t stride = 1) const;
   // replace: the index of the plan this one replaces (refine()), or kNoOffset for a new one.
   // at_mark: the window starts at a step mark and repeats the one before it (mark_step()): the
   // cut is at the mark, and the plan is validated at once.
+  // ahead: events since the window's end (n) that have happened already (a tie narrowed).
   void build_plan(std::uint64_t n, std::size_t period, const std::vector<std::size_t>& lifetimes,
-                  std::size_t replace = kNoOffset, bool at_mark = false);
+                  std::size_t replace = kNoOffset, bool at_mark = false, std::size_t ahead = 0);
   // Makes the active plan again from the last `period` events (the pass that just ended).
   void refine(std::size_t period);
   // Lifetimes unknown when the plan was made (allocations still alive then) that are known
@@ -347,6 +360,10 @@ class PlannedAllocator : public Allocator {
   std::unordered_map<std::uint64_t, std::uint64_t> last_end_;  // window hash -> newest end
   std::uint64_t indexed_ = 0;          // windows ending at or before this are indexed
   std::uint64_t next_detect_ = 0;
+  std::vector<std::size_t> tied_;  // candidate periods of a tie being narrowed (narrow_tie())
+  std::uint64_t tie_since_ = 0, tie_checked_ = 0;
+  std::size_t tie_pause_ = 0;
+  std::size_t tie_unit_ = 0;  // the shortest tied period, if all are multiples of it; else 0
   std::uint64_t last_mark_ = kNever;   // event index of the last mark_step()
   std::uint64_t marks_ = 0;
   std::uint64_t recent_[kPrefix] = {};  // last kPrefix allocation tokens (ring)
@@ -381,6 +398,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t plan_hits_ = 0, fallbacks_ = 0, slot_busy_ = 0, divergences_ = 0;
   std::uint64_t plans_built_ = 0, plan_switches_ = 0, arms_ = 0, arm_refusals_ = 0;
   std::uint64_t refinements_ = 0;
+  std::uint64_t ties_ = 0;  // ties between candidate periods narrowed (narrow_tie())
   std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
   std::uint64_t layouts_kept_ = 0;  // plans made again whose new layout held more (boundary())
   std::uint64_t imported_ = 0;  // plans added by import_plans()
