@@ -282,8 +282,8 @@ class PlannedAllocator : public Allocator {
   bool boundary(bool arm_now = true);
   void arm_at_cut();
   bool arm(int variant);
-  // The most that a plan which served within its last kRecentPeriods periods took, at least
-  // `footprint`; forgets the older ones.
+  // The most that a plan which served within its last kRecentPeriods periods took (or the
+  // pool between such passes), at least `footprint`; forgets the older ones.
   std::size_t recent_floor(std::size_t footprint);
   // The armed plan served a pass that ended at `event`.
   void note_pass(std::uint64_t event, std::size_t period);
@@ -417,6 +417,9 @@ class PlannedAllocator : public Allocator {
     std::size_t period;
   };
   std::vector<RecentPass> recent_passes_;
+  // Highest live bytes while no plan was armed, since a plan last served: what the steps
+  // between its passes need (a shape the pool serves, in turn with planned ones).
+  std::size_t between_high_ = 0;
   // Reserved memory the armed plan kept mapped for them; above its footprint, pages were kept.
   std::size_t kept_floor_ = 0;
   std::size_t armed_footprint_ = 0;  // the armed plan's (last_footprint_ may be a refused one's)
