@@ -8,6 +8,8 @@ import threading
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pymemplan import _core
 from allocator_checks import MiB, check_invariants
@@ -366,6 +368,69 @@ def test_vmm_gives_back_the_pages_best_fit_reaches_last():
     s = a.stats()
     assert s["num_device_alloc"] + s["num_device_free"] == calls
     assert s["reserved_bytes.all.peak"] == 16 * page
+
+
+def _vmm_state(alloc):
+    """Mapped pages, and the pages that could go back, from a snapshot: (mapped page addresses,
+    {page address: size of the free block it starts in}) for pages no block in use touches."""
+    page = 2 * MiB
+    mapped, victims = set(), {}
+    for seg in alloc.snapshot()["segments"]:
+        base = seg["address"]
+        used = set()
+        for b in seg["blocks"]:
+            if b["state"] != "inactive":
+                used.update(range((b["address"] - base) // page,
+                                  (b["address"] + b["size"] - 1 - base) // page + 1))
+        for i, m in enumerate(seg["page_mapped"]):
+            if m:
+                mapped.add(base + i * page)
+        for b in seg["blocks"]:
+            if b["state"] != "inactive":
+                continue
+            for i in range(-(-(b["address"] - base) // page), len(seg["page_mapped"])):
+                if base + i * page >= b["address"] + b["size"]:
+                    break
+                if seg["page_mapped"][i] and i not in used:
+                    victims[base + i * page] = b["size"]
+    return mapped, victims
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.randoms(use_true_random=False))
+def test_vmm_moves_pages_from_the_top_of_the_largest_free_blocks(rng):
+    # At its peak, a request's missing pages come from pages no block uses, in one order: the
+    # largest free blocks first (ties: the higher address), top pages first. Found by walking
+    # the free blocks from the largest down, as far as needed; checked here against the whole
+    # order, recomputed from a snapshot before each request.
+    page = 2 * MiB
+    _, a = make("pymemplan-vmm", "vmm_segment_mb:64", capacity=4 * GiB)
+    live = []
+    moves = 0
+    for _ in range(80):
+        if live and rng.random() < 0.5:
+            a.free(live.pop(rng.randrange(len(live))))
+            continue
+        size = rng.randint(1, 14) * page - rng.randint(0, 3) * (page // 4)
+        mapped, victims = _vmm_state(a)
+        before = a.stats()
+        p = a.malloc(size)
+        live.append(p)
+        rounded = a.round_size(size)
+        under = set(range(p // page * page, p + rounded, page))
+        missing = len(under - mapped)
+        need = (before["reserved_bytes.all.current"] + missing * page
+                - before["reserved_bytes.all.peak"])
+        if need <= 0:
+            continue
+        order = sorted((x for x in victims if x not in under),
+                       key=lambda x: (-victims[x], -x))
+        after, _ = _vmm_state(a)
+        if len(order) >= need // page:
+            assert mapped - after == set(order[:need // page])
+            assert a.stats()["reserved_bytes.all.current"] == before["reserved_bytes.all.peak"]
+            moves += 1
+    assert moves > 0 or len(live) < 8  # requests at the peak moved pages
 
 
 def test_vmm_unmaps_without_waiting_once_an_event_after_the_free_completed():

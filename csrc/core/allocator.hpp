@@ -213,8 +213,23 @@ class CachingAllocator : public Allocator {
   bool back(Block* block, std::size_t rounded);
   bool map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t hi);
   // spare: the physical pages unmapped are kept in spare_pages_ rather than released.
+  // `extra`: a free block listed nowhere (the one being backed), whose pages past
+  // [keep_lo, keep_hi) may go back too.
   std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                            std::size_t want, bool spare = false);
+                            std::size_t want, bool spare = false, const Block* extra = nullptr);
+  // Pages reclaim_pages may give back: mapped, no block in use touches them, starting inside
+  // a free block (of `free_block` bytes).
+  struct Victim {
+    std::size_t free_block;
+    std::uintptr_t addr;
+    Segment* seg;
+    bool idle;  // its work is known done (page_idle)
+  };
+  // The first `n` victims of the pool's segments (arenas excepted) in reclaim order (known
+  // idle first, then from the largest free blocks down, top pages first), walking free blocks
+  // from the largest only as far as needed; fewer if there are fewer.
+  std::vector<Victim> pool_victims(const Segment* keep, std::uintptr_t keep_lo,
+                                   std::uintptr_t keep_hi, std::size_t n, const Block* extra) const;
   // Counts `b` (a block of a virtual segment) in or out of the users of its pages; out, its
   // stream and free_seq are noted on them (Segment::freed_by). Returns whether a mapped page
   // was left without users.
