@@ -1139,27 +1139,41 @@ void CachingAllocator::unmap_mapped(Segment* seg, std::size_t from, std::size_t 
 }
 
 bool CachingAllocator::count_use(const Block* b, int delta) {
+  // On every malloc and free of the pool, over each page of the block: kept to plain loops
+  // without branches, which the compiler vectorizes.
   Segment* seg = b->segment;
   if (!seg->vmm) return false;
   const std::size_t page = device_->granularity();
-  bool idle = false;
-  for (std::size_t i = (b->addr - seg->addr) / page; i <= (b->addr + b->size - 1 - seg->addr) / page; ++i) {
-    if (delta > 0) {
-      if (seg->users[i]++ == 0 && seg->pages[i] != 0) --seg->unused_mapped;
-      continue;
+  const std::size_t first = (b->addr - seg->addr) / page;
+  const std::size_t n = (b->addr + b->size - 1 - seg->addr) / page + 1 - first;
+  std::uint32_t* users = seg->users.data() + first;
+  const PageHandle* pages = seg->pages.data() + first;
+  std::size_t flipped = 0;  // mapped pages that gained their first user, or lost their last
+  if (delta > 0) {
+    for (std::size_t k = 0; k < n; ++k) {
+      flipped += static_cast<std::size_t>((users[k] == 0) & (pages[k] != 0));
+      ++users[k];
     }
-    if (--seg->users[i] == 0 && seg->pages[i] != 0) {
-      ++seg->unused_mapped;
-      idle = true;
-    }
-    // Work of b's stream on the page is done once an epoch after this free completes. A guard
-    // (kAnyStream) had no work of its own.
-    if (b->stream == kAnyStream) continue;
-    const StreamId before = seg->freed_by[i];
-    seg->freed_by[i] = before == b->stream || page_idle(seg, i) ? b->stream : kSeveralStreams;
-    seg->freed_seq[i] = b->free_seq;
+    seg->unused_mapped -= flipped;
+    return false;
   }
-  return idle;
+  for (std::size_t k = 0; k < n; ++k) {
+    --users[k];
+    flipped += static_cast<std::size_t>((users[k] == 0) & (pages[k] != 0));
+  }
+  seg->unused_mapped += flipped;
+  // Work of b's stream on the pages is done once an epoch after this free completes. A guard
+  // (kAnyStream) had no work of its own.
+  if (b->stream != kAnyStream) {
+    StreamId* by = seg->freed_by.data() + first;
+    std::uint64_t* seq = seg->freed_seq.data() + first;
+    for (std::size_t k = 0; k < n; ++k) {
+      const StreamId before = by[k];
+      by[k] = before == b->stream || page_idle(seg, first + k) ? b->stream : kSeveralStreams;
+      seq[k] = b->free_seq;
+    }
+  }
+  return flipped != 0;
 }
 
 bool CachingAllocator::page_idle(const Segment* seg, std::size_t i) const {
