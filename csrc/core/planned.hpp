@@ -52,8 +52,8 @@
 //   memory grows past that only after unused pages, the arena's idle ones included, went
 //   back. The plan is used only if that footprint is at most the highest reserved so far, or
 //   within plan_slack per mille of the highest live bytes; the packer gives up as soon as it
-//   cannot meet that. An armed plan whose pass took memory past what it was accepted for is
-//   dropped at its next cut. Where the request that starts the pass is one the pool serves
+//   cannot meet that. An armed plan whose pass took memory past that limit is dropped at its
+//   next cut. Where the request that starts the pass is one the pool serves
 //   (its slot has no block: it outlives the period, as an input batch made before the last is
 //   released), the plan arms once it is served, so that the pool's memory is measured with it;
 //   the block it replaces (the oldest live one of its token, about a period old) is released
@@ -385,7 +385,7 @@ class PlannedAllocator : public Allocator {
   std::size_t pass_skipped_bytes_ = 0;    // bytes of planned slots passed over to match
   std::uint64_t pass_start_ = kNever;     // event index of the pass's first request
   bool pass_failed_ = false;              // a request of the pass could not be served (OOM)
-  std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted for
+  std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted against
   std::int64_t pool_only_high_ = 0;  // highest reserved after a request, with no arena
   std::size_t arm_cap_ = std::numeric_limits<std::size_t>::max();  // see boundary()
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
