@@ -59,18 +59,15 @@ def test_plans_of_an_earlier_run_serve_the_next_one_from_its_first_step(exported
 
 
 def test_a_loaded_plan_is_held_to_the_limit_it_was_accepted_against():
-    """gpt2_4l_bf16 (a recorded trace of the replay benchmark): restarted with the plans of its
-    first run, the plan of its step arms at the second step, accepted against the first run's
-    peak (430 MiB), with a footprint of 416. Its pass went a page past that footprint, the plan
-    was dropped at its cut, and the pool alone took the next step to 430 MiB, as high as the
-    first run (1.045 of live). It now serves on: 418 MiB."""
-    from pymemplan.traces import read_trace
-
-    trace = read_trace(ROOT / "benchmarks" / "traces" / "gpt2_4l_bf16.csv.gz")
+    """Random training loop 63 (benchmarks/alloc_random.py), restarted with the plans of its
+    first run: the plan of its step arms early, accepted against the first run's peak, and its
+    pass went a page past its own footprint. It was dropped at its cut, and the pool alone
+    took the run to 1.016 of live (the same happened to the recorded gpt2_4l_bf16 of the
+    replay benchmark: 1.045). Held to the limit it was accepted against, it serves on."""
+    trace = random_training(63)
     first, high, live = run(trace)
     again, high_again, _ = run(trace, first.export_plans())
-    assert high_again <= 1.02 * live < high, (high_again / MiB, high / MiB, live / MiB)
-    assert again.plan_stats()["plan_hits"] > first.plan_stats()["plan_hits"]
+    assert high_again <= 1.01 * live < high, (high_again / MiB, high / MiB, live / MiB)
 
 
 def test_plans_round_trip_and_are_not_imported_twice(exported):
