@@ -902,7 +902,7 @@ def make_evaluation(seed, layers=12, scale=2.0):
 def test_an_evaluation_every_few_steps_keeps_the_plan_of_the_training_step(every):
     """Training with an evaluation step every few steps, as most loops do. The evaluation
     diverges from the plan of the training step, which is back in step from the first request
-    of the step after it and arms again at its cut. Once, blocks an earlier plan had placed
+    of the step after it and arms again there. Once, blocks an earlier plan had placed
     were still alive in the arena: they took the ranges of later blocks (slots busy, served by
     the pool), and the plan held as much as the pool alone (1.0119 of the peak of live bytes,
     with every 4 and 8); then the step's plan was replaced after each evaluation by one
@@ -923,6 +923,32 @@ def test_an_evaluation_every_few_steps_keeps_the_plan_of_the_training_step(every
     ps = runs[POLICY].plan()
     assert ps["slot_busy"] == 0 and ps["plans_built"] <= 2 and ps["remakes"] == 0, ps
 
+
+
+def test_the_training_step_after_an_evaluation_is_planned_from_its_first_request():
+    """An evaluation every fourth step begins at the cut of the training step's plan and
+    diverges from it: the plan is left, and the pool serves the evaluation. The next training
+    step starts where the plan does: the plan arms at its first request and serves every
+    request of it. Before, it armed only at its next cut, and the pool served that step whole
+    (on the evaluation loops of alloc_random, a step that took 112 MiB where planned ones take
+    108: steady state within 1% on 192 of the 1,000 loops, now 449)."""
+    r = Runner()
+    run_prologue(r)
+    train, evaluation = make_iteration(1), make_evaluation(1)
+    allocs = sum(op[0] == "a" for op in train)
+    for i in range(4):  # three training steps (the plan arms in the third), an evaluation
+        r.run(evaluation if i == 3 else train, i)
+    peak = []
+    for i in (4, 5):  # the step after the evaluation, and one after a planned step
+        before = r.plan()
+        r.reset_peaks()
+        r.run(train, i, check_every=13)
+        after = r.plan()
+        assert after["plan_hits"] - before["plan_hits"] == allocs, (i, before, after)
+        assert after["fallbacks"] == before["fallbacks"], (i, before, after)
+        peak.append(r.stats()["reserved_bytes.all.peak"])
+    assert peak[0] <= peak[1], peak
+    check_invariants(r.alloc, r.device, r.live)
 
 def test_shrinking_workload_gives_memory_back():
     """After a bigger shape, a smaller one that repeats: once its plan serves and the bigger

@@ -44,7 +44,9 @@
 //   served already).
 // - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its
 //   bound failed to match it and slots of less than that were skipped, or at once when a
-//   stored plan is recognised at the start of an iteration; only if its bound is >= 20% of
+//   stored plan is recognised at the start of an iteration. Where the stream diverged at the
+//   cut (an evaluation step) and the pool served it, the plan's first request coming back
+//   once what the pool made for it is freed is a cut too. Only if its bound is >= 20% of
 //   the highest live bytes (periods of repeated layers are not worth an arena). Arming gives
 //   back what the pool holds beyond its live blocks (CachingAllocator::trim: unused pages,
 //   wholly free segments; arena pages beyond what this plan needs), and lowers the pool's
@@ -384,6 +386,7 @@ class PlannedAllocator : public Allocator {
   std::size_t pass_unplanned_bytes_ = 0;  // bytes of matched slots the plan had no offset for
   std::size_t pass_skipped_bytes_ = 0;    // bytes of planned slots passed over to match
   std::uint64_t pass_start_ = kNever;     // event index of the pass's first request
+  std::int64_t live_at_cut_ = 0;          // live bytes at the last boundary()
   bool pass_failed_ = false;              // a request of the pass could not be served (OOM)
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted against
   std::int64_t pool_only_high_ = 0;  // highest reserved after a request, with no arena
