@@ -457,15 +457,19 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   const Slot* slot = nullptr;
   Slot matched;
   std::uint64_t arm_after = 0;  // id of a plan to arm once this request is served
-  if (active_ != kNoOffset && !armed_ && !at_cut_ && cursor_ == 0 && ever_diverged_ &&
+  if (active_ != kNoOffset && !armed_ && !at_cut_ && ever_diverged_ && pass_matches_ < kPrefix &&
       live_bytes_ <= live_at_cut_) {
     // The stream diverged from the plan at its cut (an evaluation step between training
-    // steps), the pool served that, and what it made is freed again. The plan's first request
-    // now starts a pass: the plan arms for it at once rather than at the end of a pass the
-    // pool would serve (evaluation loop 0 of alloc_random: 112 MiB in each training step
-    // after an evaluation, against 108 in the others).
+    // steps; a few of its requests may have matched slots by their size), the pool served
+    // that, and what it made is freed again. The plan's first request now starts a pass: the
+    // plan arms for it at once rather than at the end of a pass the pool would serve
+    // (evaluation loop 0 of alloc_random: 112 MiB in each training step after an evaluation,
+    // against 108 in the others).
     const Plan& p = plans_[active_];
-    if (p.validated && !p.slots.empty() && p.slots[0].size == rounded && p.slots[0].stream == stream) at_cut_ = true;
+    if (p.validated && !p.slots.empty() && p.slots[0].size == rounded && p.slots[0].stream == stream) {
+      cursor_ = 0;
+      at_cut_ = true;
+    }
   }
   if (active_ != kNoOffset) {
     if (at_cut_ && boundary(false)) {

@@ -45,8 +45,9 @@
 // - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its
 //   bound failed to match it and slots of less than that were skipped, or at once when a
 //   stored plan is recognised at the start of an iteration. Where the stream diverged at the
-//   cut (an evaluation step) and the pool served it, the plan's first request coming back
-//   once what the pool made for it is freed is a cut too. Only if its bound is >= 20% of
+//   cut (an evaluation step: fewer than kPrefix of its requests matched) and the pool served
+//   it, the plan's first request coming back once what the pool made for it is freed is a
+//   cut too. Only if its bound is >= 20% of
 //   the highest live bytes (periods of repeated layers are not worth an arena). Arming gives
 //   back what the pool holds beyond its live blocks (CachingAllocator::trim: unused pages,
 //   wholly free segments; arena pages beyond what this plan needs), and lowers the pool's
