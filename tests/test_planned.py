@@ -946,6 +946,8 @@ def test_the_training_step_after_an_evaluation_is_planned_from_its_first_request
         after = r.plan()
         assert after["plan_hits"] - before["plan_hits"] == allocs, (i, before, after)
         assert after["fallbacks"] == before["fallbacks"], (i, before, after)
+        # The step after the evaluation is the pass its first request started.
+        assert after["first_request_cuts"] - before["first_request_cuts"] == (i == 4), (i, after)
         peak.append(r.stats()["reserved_bytes.all.peak"])
     assert peak[0] <= peak[1], peak
     check_invariants(r.alloc, r.device, r.live)
@@ -1436,6 +1438,8 @@ def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams,
     # Plans armed by their first requests then armed whole, and arenas retired into the pool
     # with live blocks, happened under the checks too.
     assert r["plan_full_rearms"] > 0 and r["plan_busy_arenas_retired"] > 0, r
+    if streams == 3:  # and passes started by a plan's first request after a divergence at its cut
+        assert r["plan_first_request_cuts"] > 0, r
 
 
 def test_holes_over_the_fake_driver_keep_every_block_intact():

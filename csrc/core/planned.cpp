@@ -298,6 +298,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("detection_ties", num(ties_));
   put("layouts_kept", num(layouts_kept_));
   put("full_rearms", num(full_rearms_));
+  put("first_request_cuts", num(first_request_cuts_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
   put("marks", num(marks_));
   put("plans_imported", num(imported_));
@@ -469,6 +470,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     if (p.validated && !p.slots.empty() && p.slots[0].size == rounded && p.slots[0].stream == stream) {
       cursor_ = 0;
       at_cut_ = true;
+      ++first_request_cuts_;
     }
   }
   if (active_ != kNoOffset) {

@@ -407,6 +407,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t layouts_kept_ = 0;  // plans made again whose new layout held more (boundary())
   std::uint64_t imported_ = 0;  // plans added by import_plans()
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
+  std::uint64_t first_request_cuts_ = 0;  // passes started by the plan's first request after a divergence
   std::uint64_t busy_arenas_retired_ = 0;  // arenas retired into the pool with live blocks
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;

@@ -87,6 +87,7 @@ class Fuzzer {
         if (k == "remakes") r_.plan_remakes = static_cast<std::uint64_t>(v);
         if (k == "layouts_kept") r_.plan_layouts_kept = static_cast<std::uint64_t>(v);
         if (k == "full_rearms") r_.plan_full_rearms = static_cast<std::uint64_t>(v);
+        if (k == "first_request_cuts") r_.plan_first_request_cuts = static_cast<std::uint64_t>(v);
         if (k == "busy_arenas_retired") r_.plan_busy_arenas_retired = static_cast<std::uint64_t>(v);
       }
     }

@@ -45,6 +45,7 @@ struct FuzzReport {
   std::uint64_t plan_remakes = 0;    // plans made again from a pass shorter than their period
   std::uint64_t plan_layouts_kept = 0;  // plans made again that kept their layout (it held less)
   std::uint64_t plan_full_rearms = 0;      // plans armed by their first requests, then whole
+  std::uint64_t plan_first_request_cuts = 0;  // passes started by a plan's first request after a divergence
   std::uint64_t plan_busy_arenas_retired = 0;  // arenas retired into the pool with live blocks
   std::uint64_t page_shares = 0;     // share_pages calls that gave pages back
   std::uint64_t plans_imported = 0;  // pymemplan-planned: of FuzzOptions::plans
