@@ -42,25 +42,23 @@
 //   Two variants: all planned blocks (arming at the cut), and all but the first kPrefix slots
 //   (arming when a stored plan is recognised by its first kPrefix requests, which the pool has
 //   served already).
-// - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its
-//   bound failed to match it and slots of less than that were skipped, or at once when a
-//   stored plan is recognised at the start of an iteration. Where the stream diverged at the
-//   cut (an evaluation step: fewer than kPrefix of its requests matched) and the pool served
-//   it, the plan's first request coming back once what the pool made for it is freed is a
-//   cut too. Only if its bound is >= 20% of
-//   the highest live bytes (periods of repeated layers are not worth an arena). Arming gives
-//   back what the pool holds beyond its live blocks (CachingAllocator::trim: unused pages,
-//   wholly free segments; arena pages beyond what this plan needs), and lowers the pool's
-//   grow mark to the footprint the plan expects (live pool pages + arena): from then on
-//   memory grows past that only after unused pages, the arena's idle ones included, went
-//   back. The plan is used only if that footprint is at most the highest reserved so far, or
-//   within plan_slack per mille of the highest live bytes; the packer gives up as soon as it
-//   cannot meet that. An armed plan whose pass took memory past that limit is dropped at its
-//   next cut. Where the request that starts the pass is one the pool serves
-//   (its slot has no block: it outlives the period, as an input batch made before the last is
-//   released), the plan arms once it is served, so that the pool's memory is measured with it;
-//   the block it replaces (the oldest live one of its token, about a period old) is released
-//   within the pass and is not counted as held.
+// - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its bound
+//   failed to match it and slots of less than that were skipped, or at once when a stored plan is
+//   recognised at the start of an iteration. Where the stream diverged at the cut (an evaluation
+//   step: fewer than kPrefix of its requests matched) and the pool served it, the plan's first
+//   request coming back once what the pool made for it is freed is a cut too. Only if its bound is
+//   >= 20% of the highest live bytes (periods of repeated layers are not worth an arena). Arming
+//   gives back what the pool holds beyond its live blocks (CachingAllocator::trim: unused pages,
+//   wholly free segments; arena pages beyond what this plan needs), and lowers the pool's grow
+//   mark to the footprint the plan expects (live pool pages + arena): from then on memory grows
+//   past that only after unused pages, the arena's idle ones included, went back. The plan is used
+//   only if that footprint is at most the highest reserved so far, or within plan_slack per mille
+//   of the highest live bytes; the packer gives up as soon as it cannot meet that. An armed plan
+//   whose pass took memory past that limit is dropped at its next cut. Where the request that
+//   starts the pass is one the pool serves (its slot has no block: it outlives the period, as an
+//   input batch made before the last is released), the plan arms once it is served, so that the
+//   pool's memory is measured with it; the block it replaces (the oldest live one of its token,
+//   about a period old) is released within the pass and is not counted as held.
 // - Serving. A cursor walks the plan's allocations. A request that matches the slot at the
 //   cursor (same rounded size and stream) gets arena + offset if that range is free and safe
 //   now, otherwise the pool serves it: memory is never handed out twice. A mismatch looks
