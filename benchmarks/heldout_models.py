@@ -123,3 +123,25 @@ def lstm_lm(vocab: int = 10000, d: int = 512, layers: int = 2):
             return F.cross_entropy(out.flatten(0, 1), ids.flatten())
 
     return LSTMLM()
+
+
+def gru_seq2seq(vocab: int = 4000, d: int = 256, layers: int = 2):
+    """A GRU encoder and a GRU decoder started from the encoder's last state (teacher
+    forcing), sharing one embedding, with the cross-entropy in forward."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.encoder = nn.GRU(d, d, layers, batch_first=True)
+            self.decoder = nn.GRU(d, d, layers, batch_first=True)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, src, tgt):
+            _, state = self.encoder(self.embed(src))
+            out, _ = self.decoder(self.embed(tgt), state)
+            return F.cross_entropy(self.head(out).flatten(0, 1), tgt.flatten())
+
+    return Seq2Seq()
