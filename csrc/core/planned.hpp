@@ -267,6 +267,12 @@ class PlannedAllocator : public Allocator {
     // its layout did over that pass: it keeps its layout and is not made again.
     bool keep_layout = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
+    // Dropped after a pass took more than it was accepted against (boundary()), at this
+    // highest reserved: until that rises, it may arm once more, after the pool's next pass,
+    // for less than that pass took (drop_cap).
+    std::int64_t dropped_at = -1;
+    bool awaiting_pool_pass = false;
+    std::size_t drop_cap = 0;
     std::uint64_t holes_key[2] = {0, 0};    // per variant: holes_key() of its last packing
     bool imported = false;        // from import_plans()
     std::size_t cap = 0;          // imported: the highest reserved of the run it comes from
