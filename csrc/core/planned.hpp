@@ -54,7 +54,9 @@
 //   past that only after unused pages, the arena's idle ones included, went back. The plan is used
 //   only if that footprint is at most the highest reserved so far, or within plan_slack per mille
 //   of the highest live bytes; the packer gives up as soon as it cannot meet that. An armed plan
-//   whose pass took memory past that limit is dropped at its next cut. Where the request that
+//   whose pass took memory past that limit is dropped at its next cut; it may arm again before
+//   the highest reserved rises only after a pass the pool served, for a page less than that
+//   pass took (an estimate a page short must not lose the plan for good). Where the request that
 //   starts the pass is one the pool serves (its slot has no block: it outlives the period, as an
 //   input batch made before the last is released), the plan arms once it is served, so that the
 //   pool's memory is measured with it; the block it replaces (the oldest live one of its token,
