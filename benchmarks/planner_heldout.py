@@ -11,9 +11,12 @@ LSTM language model (oneDNN workspaces), a GPT-2 under bf16 autocast (weights ca
 the forward pass), Mixtral and Qwen2-MoE (mixtures of experts run as grouped matrix
 products), a mixture of experts whose router picks tokens with ``torch.nonzero`` (traced
 with ``nonzero_density``), Mistral (sliding-window attention) and DeBERTa-v2 (disentangled
-attention), and Mamba (a state-space model's scan over time). Each is traced with AdamW (``pymemplan.trace(..., device="cpu")``, kernel
-probe on, the CPU default) and its steady-state step is then run for real
-(``pymemplan.planner.measure.measure_step``: AdamW's state made by a warm-up step first).
+attention), Mamba (a state-space model's scan over time), and, added later, DenseNet-121
+(dense blocks) under SGD with Nesterov momentum, OPT, a GRU encoder-decoder under RMSprop,
+DistilBERT, RegNetY-400MF under Adagrad and ShuffleNetV2 under bf16 autocast. Each is traced with
+its optimizer, AdamW unless named (``pymemplan.trace(..., device="cpu")``, kernel probe on, the
+CPU default), and its steady-state step is then run for real
+(``pymemplan.planner.measure.measure_step``: the optimizer's state made by a warm-up step first).
 Random weights; sizes chosen so a real CPU step takes seconds.
 
 Exit status 0 when every prediction is within 0.5% of the measured peak.
@@ -22,6 +25,7 @@ Exit status 0 when every prediction is within 0.5% of the measured peak.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -136,6 +140,41 @@ def workloads():
             num_attention_heads=4))
         return Loss(model), (torch.randint(0, 8000, (8, 128)),), None, None
 
+    def classifier(name, batch, size, optimizer, autocast=None):
+        # A torchvision classifier over 10 classes, trained by `optimizer`.
+        def build():
+            import torchvision
+
+            model = getattr(torchvision.models, name)(num_classes=10)
+            x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+            return model, (x,), lambda out: F.cross_entropy(out, y), autocast, {"optimizer": optimizer}
+        return build
+
+    def opt():
+        from transformers import OPTConfig, OPTForCausalLM
+
+        model = OPTForCausalLM(OPTConfig(vocab_size=8000, hidden_size=256, num_hidden_layers=4,
+                                         ffn_dim=1024, num_attention_heads=4,
+                                         max_position_embeddings=256, word_embed_proj_dim=256))
+        return Loss(model), (torch.randint(0, 8000, (4, 128)),), None, None
+
+    def distilbert():
+        from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+        model = DistilBertForSequenceClassification(DistilBertConfig(
+            vocab_size=8000, dim=256, n_layers=4, n_heads=4, hidden_dim=1024))
+        ids, labels = torch.randint(0, 8000, (8, 96)), torch.randint(0, 2, (8,))
+        return Loss(model), (ids, labels), None, None
+
+    def gru_seq2seq():
+        import heldout_models
+
+        src, tgt = torch.randint(0, 4000, (16, 40)), torch.randint(0, 4000, (16, 30))
+        rmsprop = functools.partial(torch.optim.RMSprop, lr=1e-3)
+        return heldout_models.gru_seq2seq(), (src, tgt), None, None, {"optimizer": rmsprop}
+
+    sgd_nesterov = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, nesterov=True)
+    adagrad = functools.partial(torch.optim.Adagrad, lr=0.01)
     return {
         "unet": ("UNet (GroupNorm, skip concatenations), batch 6 at 96x96", unet),
         "t5": ("T5 encoder-decoder, 4 + 4 layers, batch 8, 128 -> 64 tokens", t5),
@@ -158,6 +197,16 @@ def workloads():
         "mistral": ("Mistral, 4 layers of 256, sliding window 64, batch 4 x 256", mistral),
         "deberta_v2": ("DeBERTa-v2 (disentangled attention), 4 layers of 256, batch 8 x 128",
                        deberta),
+        "densenet121": ("DenseNet-121, batch 4 at 96x96, SGD with Nesterov momentum",
+                        classifier("densenet121", 4, 96, sgd_nesterov)),
+        "opt": ("OPT, 4 layers of 256, batch 4 x 128", opt),
+        "gru_seq2seq": ("GRU encoder-decoder, 2 + 2 layers of 256, batch 16, 40 -> 30 tokens, RMSprop",
+                        gru_seq2seq),
+        "distilbert": ("DistilBERT classifier, 4 layers of 256, batch 8 x 96", distilbert),
+        "regnet_y_400mf": ("RegNetY-400MF, batch 8 at 96x96, Adagrad",
+                           classifier("regnet_y_400mf", 8, 96, adagrad)),
+        "shufflenet_v2": ("ShuffleNetV2, batch 32 at 128x128, bf16 autocast",
+                          classifier("shufflenet_v2_x1_0", 32, 128, torch.optim.AdamW, torch.bfloat16)),
     }
 
 
@@ -169,11 +218,13 @@ def measure(name, build) -> dict:
 
     torch.manual_seed(0)
     model, inputs, loss_fn, autocast, *extra = build()
+    options = dict(extra[0]) if extra else {}
+    optimizer = options.pop("optimizer", torch.optim.AdamW)
     t0 = time.perf_counter()
-    t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
-                        device="cpu", autocast=autocast, **(extra[0] if extra else {}))
+    t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        device="cpu", autocast=autocast, **options)
     trace_seconds = time.perf_counter() - t0
-    measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+    measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
                             autocast=autocast).peak_bytes
     error = t.peak_bytes - measured
     return {"model": name, "predicted_bytes": t.peak_bytes, "measured_bytes": measured,
@@ -184,7 +235,7 @@ def measure(name, build) -> dict:
 def markdown(rows, descriptions) -> str:
     from pymemplan.units import format_bytes
 
-    lines = ["| model | step (AdamW) | measured peak | pymemplan | error |", "|---|---|---|---|---|"]
+    lines = ["| model | step (AdamW unless named) | measured peak | pymemplan | error |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {descriptions[r['model']]} | "
                      f"{format_bytes(r['measured_bytes'])} | {format_bytes(r['predicted_bytes'])} | "
