@@ -8,6 +8,7 @@ POOLS = ("all", "small_pool", "large_pool")
 
 def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> None:
     """`live` maps each pointer the caller holds to the size it asked for."""
+    assert alloc.self_check() == ""
     snap = alloc.snapshot()
     stats = alloc.stats()
     segments = sorted(snap["segments"], key=lambda s: s["address"])

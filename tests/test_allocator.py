@@ -370,6 +370,53 @@ def test_vmm_gives_back_the_pages_best_fit_reaches_last():
     assert s["reserved_bytes.all.peak"] == 16 * page
 
 
+def _low_block_and_exact_hole(a, param_size):
+    """Parameters at the bottom, then a 1 MiB free block low and a free block of exactly
+    param_size higher up (best fit's choice for that size), events enough for the
+    parameters to be old, and no free since."""
+    params = [a.malloc(param_size) for _ in range(8)]
+    low = a.malloc(1 * MiB)
+    keep = [a.malloc(256 * 1024)]
+    exact = a.malloc(param_size)
+    keep.append(a.malloc(256 * 1024))
+    a.free(low)
+    a.free(exact)
+    for _ in range(24):  # steps' worth of events that leave the layout as it is
+        a.free(a.malloc(6 * MiB))
+    return params, low, exact, keep
+
+
+@pytest.mark.parametrize("policy", ["pymemplan-vmm", "pymemplan-planned"])
+def test_a_burst_in_the_image_of_old_blocks_goes_to_the_lowest_free_address(policy):
+    # An optimizer's first step makes its state in the image of the parameters, tensor after
+    # tensor with no free between: from the 24th request of such a run on, each goes to the
+    # lowest free block that fits (here the 1 MiB block beside the parameters), not the best
+    # fit (the exact hole above), which would pin a page among blocks that die. Requests of a
+    # size no old block has, and the first 23 of a run, are served best fit.
+    size = 64 * 1024
+    for config, packed in (("", True), ("pack_long_lived:False", False)):
+        _, a = make(policy, config)
+        params, low, exact, keep = _low_block_and_exact_hole(a, size)
+        run = [a.malloc(3 * MiB) for _ in range(23)]  # no old block of this size
+        assert low not in run and exact not in run
+        state = a.malloc(size)  # the 24th allocation without a free, a parameter's size
+        assert state == (low if packed else exact), config
+
+
+def test_a_free_ends_the_burst_and_a_new_size_is_not_long_lived():
+    size = 64 * 1024
+    _, a = make("pymemplan-vmm")
+    params, low, exact, keep = _low_block_and_exact_hole(a, size)
+    run = [a.malloc(3 * MiB) for _ in range(23)]
+    a.free(run.pop())  # the run is broken: the next request is best fit again
+    run += [a.malloc(3 * MiB) for _ in range(22)]
+    assert a.malloc(size) == exact
+    _, a = make("pymemplan-vmm")
+    params, low, exact, keep = _low_block_and_exact_hole(a, size)
+    run = [a.malloc(3 * MiB) for _ in range(23)]
+    assert a.malloc(size - 512) == exact  # fits the hole best; no old block has this size
+
+
 def _vmm_state(alloc):
     """Mapped pages, and the pages that could go back, from a snapshot: (mapped page addresses,
     {page address: size of the free block it starts in}) for pages no block in use touches."""
@@ -716,6 +763,8 @@ def test_double_free_of_a_block_waiting_on_events():
     ("nocache", "max_split_size_mb:64", "valid keys: none"),
     ("torch", "expandable_segments:maybe", "bad value 'maybe'.*True or False"),
     ("pymemplan", "expandable_segments:True", "unknown key 'expandable_segments'.*vmm"),
+    ("pymemplan-vmm", "pack_long_lived:sometimes", "bad value 'sometimes'.*True or False"),
+    ("torch", "pack_long_lived:True", "unknown key 'pack_long_lived'"),
 ])
 def test_bad_config_lists_what_is_valid(policy, config, match):
     with pytest.raises(_core.AllocatorError, match=match):

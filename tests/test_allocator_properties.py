@@ -130,6 +130,14 @@ class AllocatorMachine(RuleBasedStateMachine):
                 elif op[1] in self.held:
                     self._free(self.held.pop(op[1]))
 
+    @rule(n=st.integers(24, 40), stream=STREAMS)
+    def state_burst(self, n, stream):
+        """An optimizer making its state: blocks in the sizes of the oldest live ones, one after
+        another with no free between (pack_long_lived: the lowest free address that fits)."""
+        sizes = [size for size, _, _ in self.live.values()][:8]
+        for i in range(n if sizes else 0):
+            self._malloc(sizes[i % len(sizes)], stream)
+
     @rule(p=ptrs, stream=STREAMS)
     def record_stream(self, p, stream):
         if p is None or p not in self.live:

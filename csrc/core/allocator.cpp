@@ -271,6 +271,8 @@ void CachingAllocator::free(void* ptr) {
     throw;
   }
   b->allocated = false;
+  ++events_;
+  run_ = 0;
   const bool small = b->segment->small;
   update_stat(&Stats::allocation, small, -1);
   update_stat(&Stats::allocated_bytes, small, -static_cast<std::int64_t>(b->size));
@@ -429,7 +431,12 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   }
   Pool& pool = pool_for(rounded);
   const bool virtual_memory = config_.vmm;
-  Block* b = find_free_block(pool, rounded, stream);
+  Block* b = nullptr;
+  if (virtual_memory && config_.pack_long_lived && long_lived(rounded)) {
+    b = lowest_fit(rounded, stream);
+    if (b != nullptr) erase_free(b);
+  }
+  if (b == nullptr) b = find_free_block(pool, rounded, stream);
   if (b == nullptr && pool.small && config_.kind == PolicyKind::Pymemplan && !config_.vmm) {
     b = find_large_pool_fragment(rounded, stream);
   }
@@ -580,6 +587,89 @@ Block* CachingAllocator::best_fit(Pool& pool, std::size_t rounded, StreamId key)
   return *it;
 }
 
+namespace {
+// Power-of-two class of a block size (> 0), for the address index of pack_long_lived.
+int size_class(std::size_t size) { return 63 - __builtin_clzll(static_cast<unsigned long long>(size)); }
+}  // namespace
+
+// ours (vmm, pack_long_lived): after the first backward pass the optimizer makes its state,
+// tensor by tensor in the image of the parameters (zeros_like), with nothing freed in between;
+// gradients kept across steps and an EMA copy of the weights come the same way. Best fit puts
+// each of them in the smallest free block that fits, among the holes the step's freed
+// activations left all over the pool, and once those neighbours are gone each such block,
+// often a few KiB (the state of a bias or a norm), pins a page that the steps ahead cannot use
+// (swin_t_b4: 36 partly used pages, 37 MiB free in them, held by the state for good). Such a
+// request is recognised by two signs together: it extends a run of kLongLivedRun allocations
+// without a free, and a block of its size has been alive since the first quarter of the
+// events so far (a parameter). Either alone also takes a forward pass's activations, or the
+// optimizer's temporaries and the gradients, which come in the parameters' sizes too but
+// between frees. Those requests go to the lowest free address that fits, which packs them
+// beside the parameters, made first; every other request is served best fit as before.
+constexpr std::uint64_t kLongLivedRun = 24;
+constexpr std::uint64_t kOldShare = 4;          // alive since the first 1/kOldShare of events
+constexpr std::uint64_t kOldSizesEvery = 1024;  // events between two makings of old_sizes_
+
+bool CachingAllocator::long_lived(std::size_t rounded) {
+  if (run_ + 1 < kLongLivedRun) return false;  // this request would extend a run of run_
+  if (!old_sizes_made_ || events_ - old_sizes_at_ >= kOldSizesEvery) {
+    old_sizes_.clear();
+    for (const auto& [addr, b] : allocated_) {
+      if (b->born * kOldShare < events_) old_sizes_.insert(b->size);
+    }
+    old_sizes_at_ = events_;
+    old_sizes_made_ = true;
+  }
+  return old_sizes_.count(rounded) != 0;
+}
+
+bool CachingAllocator::indexed(const Block* b) const {
+  return config_.vmm && config_.pack_long_lived && b->segment->vmm && !b->segment->small &&
+         !b->segment->arena && b->segment->chunk == 0 && !b->claimed && !b->unmapped;
+}
+
+Block* CachingAllocator::lowest_fit(std::size_t rounded, StreamId stream) {
+  // The lowest usable block of each size class that can hold the request: every block of a
+  // larger class can; in the request's own class, only those at least its size.
+  auto usable = [&](const Block* b) {
+    return b->size >= rounded && acceptable(b, rounded) &&
+           (b->stream == stream || (config_.cross_stream_reuse && b->stream == kAnyStream));
+  };
+  Block* best = nullptr;
+  const int own = size_class(rounded);
+  for (int c = kSizeClasses - 1; c >= own; --c) {  // the own class last: a scan, cut short
+    for (Block* b : by_address_[c]) {
+      if (best != nullptr && b->addr > best->addr) break;
+      if (usable(b)) {
+        best = b;
+        break;
+      }
+    }
+  }
+  return best;
+}
+
+std::string CachingAllocator::self_check() const {
+  // by_address_ holds exactly the listed free blocks of the large pool's virtual segments
+  // (arenas and claimed ranges aside), each in the class of its size.
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t expected = 0, indexed_blocks = 0;
+  for (const auto& [addr, seg] : segments_) {
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->allocated || !b->listed || !indexed(b)) continue;
+      ++expected;
+      if (by_address_[size_class(b->size)].count(const_cast<Block*>(b)) == 0) {
+        return "free block at " + std::to_string(b->addr) + " missing from the address index";
+      }
+    }
+  }
+  for (const auto& set : by_address_) indexed_blocks += set.size();
+  if (indexed_blocks != expected) {
+    return "address index holds " + std::to_string(indexed_blocks) + " blocks, not the " +
+           std::to_string(expected) + " free ones";
+  }
+  return "";
+}
+
 Block* CachingAllocator::usable_best_fit(Pool& pool, std::size_t rounded, StreamId stream) {
   // The smaller of the best fits among this stream's blocks and the shared ones.
   Block* own = best_fit(pool, rounded, stream);
@@ -652,6 +742,8 @@ Block* CachingAllocator::take(Block* b, std::size_t rounded, std::size_t request
   if (should_split(b, rounded)) insert_free(split(b, b->addr + rounded));
   b->allocated = true;
   b->requested = requested;
+  b->born = events_++;
+  ++run_;
   b->stream = stream;
   count_use(b, +1);
   allocated_.emplace(b->addr, b);
@@ -765,6 +857,7 @@ void CachingAllocator::insert_free(Block* b) {
     arena_free_.insert(b);
   } else {
     pool.free.insert(b);
+    if (indexed(b)) by_address_[size_class(b->size)].insert(b);
   }
   b->listed = true;
   if (b->is_whole_segment()) {
@@ -787,6 +880,7 @@ void CachingAllocator::erase_free(Block* b) {
     arena_free_.erase(b);
   } else {
     pool.free.erase(b);
+    if (indexed(b)) by_address_[size_class(b->size)].erase(b);
   }
   b->listed = false;
   if (b->is_whole_segment()) {

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -76,6 +77,7 @@ class CachingAllocator : public Allocator {
   // supports page sharing; 0 otherwise. share_pages() = share_pages(share_candidates()).
   std::size_t share_pages() override;
   bool stop_automatic_page_sharing() override;
+  std::string self_check() const override;
   // The pairs share_pages() would make now (nothing changes), leaving out pages that a block
   // in use at one of the addresses `leave_out` (sorted) touches: blocks about to be freed,
   // whose pages would only be shared for a while.
@@ -194,6 +196,10 @@ class CachingAllocator : public Allocator {
   Block* find_large_pool_fragment(std::size_t rounded, StreamId stream);
   Block* usable_best_fit(Pool& pool, std::size_t rounded, StreamId stream);
   Block* best_fit(Pool& pool, std::size_t rounded, StreamId key);
+  // pack_long_lived: whether a request looks like a block made in the image of long-lived
+  // ones, and the lowest free block of the pool's virtual segments that can serve it.
+  bool long_lived(std::size_t rounded);
+  Block* lowest_fit(std::size_t rounded, StreamId stream);
   bool acceptable(const Block* block, std::size_t rounded) const;
   Block* new_segment(Pool& pool, std::size_t bytes, StreamId stream);
   Block* add_segment(std::uintptr_t addr, std::size_t bytes, StreamId stream, bool small, bool vmm);
@@ -332,6 +338,11 @@ class CachingAllocator : public Allocator {
   std::set<Block*, LargestFirst> unused_segments_;        // free blocks spanning a whole segment
                                                           // (arenas excepted)
   std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas, and claimed ones
+  // pack_long_lived: the large pool's free blocks of virtual segments, by address, one set per
+  // power-of-two size class (lowest_fit in a few set lookups, not a walk of every block).
+  static constexpr int kSizeClasses = 64;
+  std::set<Block*, BlockByAddress> by_address_[kSizeClasses];
+  bool indexed(const Block* b) const;
   std::size_t claimed_blocks_ = 0;                        // blocks (free or not) marked claimed
   std::unordered_map<std::uintptr_t, Share*> shares_;     // by page address, both sides
   std::deque<PendingEvent> pending_;
@@ -348,6 +359,14 @@ class CachingAllocator : public Allocator {
   std::size_t limit_ = 0;  // 0: none
   std::int64_t reserved_ = 0;
   std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
+  // pack_long_lived (allocator.cpp: long_lived): allocations and frees so far, allocations
+  // since the last free, and the sizes of blocks alive since the first quarter of those
+  // events (made again at most every kOldSizesEvery events, when asked).
+  std::uint64_t events_ = 0;
+  std::uint64_t run_ = 0;
+  std::uint64_t old_sizes_at_ = 0;
+  bool old_sizes_made_ = false;
+  std::unordered_set<std::size_t> old_sizes_;
   std::int64_t window_hwm_ = 0;    // highest reserved since take_window_peak()
   std::int64_t grow_mark_ = 0;     // see set_grow_mark: reserved_hwm_ unless lowered
   Stats stats_;

@@ -64,6 +64,9 @@ class Allocator {
   // Turns off page sharing on the allocator's own initiative (the share_pages key; calls of
   // share_pages() still pair). Returns whether it was on.
   virtual bool stop_automatic_page_sharing() { return false; }
+  // Checks the allocator's own indexes against its blocks (tests and the fuzzer): "" when they
+  // agree, else what is wrong.
+  virtual std::string self_check() const { return ""; }
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

@@ -21,6 +21,7 @@ struct Block {
   std::uintptr_t addr = 0;
   std::size_t size = 0;
   std::size_t requested = 0;  // the caller's size while allocated; 0 when free
+  std::uint64_t born = 0;     // allocated: the allocator's event count then (long-lived guess)
   // Allocated: the allocation stream. Free: the only stream that may reuse it at once, or
   // kAnyStream once that stream's work is known complete.
   StreamId stream = 0;

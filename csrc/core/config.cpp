@@ -33,6 +33,7 @@ constexpr KeyInfo kKeys[] = {
     {"vmm", "True or False", true},
     {"vmm_segment_mb", "an integer >= 2 (MiB)", true},
     {"share_pages", "True or False (1 or 0)", true},
+    {"pack_long_lived", "True or False", true},
     {"expandable_segments", "True or False", false, true},
 };
 
@@ -254,6 +255,8 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       c.vmm_segment = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "share_pages") {
       c.share_pages = parse_bool(key, value);
+    } else if (key == "pack_long_lived") {
+      c.pack_long_lived = parse_bool(key, value);
     } else if (key == "cross_stream_reuse") {
       c.cross_stream_reuse = parse_bool(key, value);
     } else if (key == "expandable_segments") {
@@ -284,6 +287,7 @@ std::string PolicyConfig::to_string() const {
     put("vmm", vmm ? "True" : "False");
     put("vmm_segment_mb", std::to_string(vmm_segment / kMiB));
     put("share_pages", share_pages ? "True" : "False");
+    put("pack_long_lived", pack_long_lived ? "True" : "False");
   }
   return out.str();
 }

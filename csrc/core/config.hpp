@@ -54,6 +54,11 @@ struct PolicyConfig {
   // meanwhile; False for programs whose threads launch kernels while others allocate.
   // share_pages() on request works either way.
   bool share_pages = true;
+  // Blocks made in the image of long-lived ones, in a burst (an optimizer making its state
+  // after the first backward, gradients kept across steps, an EMA copy) go to the lowest free
+  // address that fits, beside the parameters, instead of best fit among freed activations,
+  // where each would pin a page the next steps cannot use (vmm only; see allocator.cpp).
+  bool pack_long_lived = true;
   // PyTorch's expandable segments (torch only; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
   // one address range per stream and pool, mapped at its end as it grows, 2 MiB at a time
   // for the small pool and 20 MiB for the large one.

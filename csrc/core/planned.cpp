@@ -1646,6 +1646,11 @@ bool PlannedAllocator::stop_automatic_page_sharing() {
   return pool_->stop_automatic_page_sharing();
 }
 
+std::string PlannedAllocator::self_check() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pool_->self_check();
+}
+
 void PlannedAllocator::mark_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::uint64_t n = base_ + events_.size();

@@ -193,6 +193,7 @@ class PlannedAllocator : public Allocator {
   void mark_step() override;
   std::size_t share_pages() override;
   bool stop_automatic_page_sharing() override;
+  std::string self_check() const override;
   double planning_seconds() const override;
   // Figures about plans for benchmarks and tests: plan_hits (requests served at their planned
   // offset; hole_hits of them in a hole of the pool), fallbacks (requests the pool served), slot_busy (matched, but the planned range

@@ -192,6 +192,9 @@ PYBIND11_MODULE(_core, m) {
       .def("stop_automatic_page_sharing", &Allocator::stop_automatic_page_sharing,
            "Turn off page sharing on the allocator's own initiative (as share_pages:False); "
            "returns whether it was on. The plugin calls it when two threads allocate at once.")
+      .def("self_check", &Allocator::self_check,
+           "Check the allocator's own indexes against its blocks: '' when they agree, else what "
+           "is wrong (for tests).")
       .def("set_memory_limit", &Allocator::set_memory_limit, py::arg("bytes"))
       .def("set_memory_fraction", &Allocator::set_memory_fraction, py::arg("fraction"))
       .def_property_readonly("memory_limit", &Allocator::memory_limit)
@@ -347,6 +350,7 @@ PYBIND11_MODULE(_core, m) {
         d["frees"] = r.frees;
         d["record_streams"] = r.record_streams;
         d["empty_caches"] = r.empty_caches;
+        d["bursts"] = r.bursts;
         d["ooms"] = r.ooms;
         d["full_checks"] = r.full_checks;
         d["drains_to_zero"] = r.drains_to_zero;

@@ -305,8 +305,10 @@ class Fuzzer {
       auto& b = live_.at(p);
       if (stream != b.stream) b.uses.insert(stream);
       ++r_.record_streams;
-    } else if (dice < 997) {
+    } else if (dice < 996) {
       device_->complete_events(stream, rng_() % 4 == 0);
+    } else if (dice < 997) {
+      burst(stream);
     } else if (dice < 998) {
       share_pages();
     } else {
@@ -314,6 +316,17 @@ class Fuzzer {
       expect(device_->pending_events() == 0, "empty_cache left events pending");
       ++r_.empty_caches;
     }
+  }
+
+  void burst(StreamId stream) {
+    // An optimizer making its state: blocks in the sizes of live ones, one after another with
+    // no free between (pack_long_lived places them at the lowest free addresses).
+    if (order_.empty()) return;
+    const std::size_t n = 24 + rng_() % 41;
+    std::vector<std::size_t> sizes;
+    for (std::size_t i = 0; i < n; ++i) sizes.push_back(live_.at(random_live()).size);
+    for (std::size_t size : sizes) do_malloc(size, stream);
+    ++r_.bursts;
   }
 
   std::uintptr_t random_live() {
@@ -452,6 +465,8 @@ class Fuzzer {
            "inactive_split_bytes != recount");
     expect(device_->used() >= static_cast<std::size_t>(reserved), "device holds less than reserved");
     physical_check();
+    const std::string index = alloc_->self_check();
+    if (!index.empty()) fail(index);
     for (auto it = freed_pages_.begin(); it != freed_pages_.end();) {  // forget what is done
       auto& v = it->second;
       v.erase(std::remove_if(v.begin(), v.end(), [&](const FreedRange& f) { return done(f); }), v.end());
