@@ -273,6 +273,7 @@ void CachingAllocator::free(void* ptr) {
   b->allocated = false;
   ++events_;
   run_ = 0;
+  if (index_live_) drop_index();
   const bool small = b->segment->small;
   update_stat(&Stats::allocation, small, -1);
   update_stat(&Stats::allocated_bytes, small, -static_cast<std::int64_t>(b->size));
@@ -433,6 +434,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   const bool virtual_memory = config_.vmm;
   Block* b = nullptr;
   if (virtual_memory && config_.pack_long_lived && long_lived(rounded)) {
+    if (!index_live_) make_index();
     b = lowest_fit(rounded, stream);
     if (b != nullptr) erase_free(b);
   }
@@ -627,6 +629,20 @@ bool CachingAllocator::indexed(const Block* b) const {
          !b->segment->arena && b->segment->chunk == 0 && !b->claimed && !b->unmapped;
 }
 
+void CachingAllocator::make_index() {
+  for (const auto& [addr, seg] : segments_) {
+    for (Block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->allocated && b->listed && indexed(b)) by_address_[size_class(b->size)].insert(b);
+    }
+  }
+  index_live_ = true;
+}
+
+void CachingAllocator::drop_index() {
+  for (auto& set : by_address_) set.clear();
+  index_live_ = false;
+}
+
 Block* CachingAllocator::lowest_fit(std::size_t rounded, StreamId stream) {
   // The lowest usable block of each size class that can hold the request: every block of a
   // larger class can; in the request's own class, only those at least its size.
@@ -650,12 +666,12 @@ Block* CachingAllocator::lowest_fit(std::size_t rounded, StreamId stream) {
 
 std::string CachingAllocator::self_check() const {
   // by_address_ holds exactly the listed free blocks of the large pool's virtual segments
-  // (arenas and claimed ranges aside), each in the class of its size.
+  // (arenas and claimed ranges aside), each in the class of its size; nothing when not kept.
   std::lock_guard<std::mutex> lock(mutex_);
   std::size_t expected = 0, indexed_blocks = 0;
   for (const auto& [addr, seg] : segments_) {
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (b->allocated || !b->listed || !indexed(b)) continue;
+      if (!index_live_ || b->allocated || !b->listed || !indexed(b)) continue;
       ++expected;
       if (by_address_[size_class(b->size)].count(const_cast<Block*>(b)) == 0) {
         return "free block at " + std::to_string(b->addr) + " missing from the address index";
@@ -857,7 +873,7 @@ void CachingAllocator::insert_free(Block* b) {
     arena_free_.insert(b);
   } else {
     pool.free.insert(b);
-    if (indexed(b)) by_address_[size_class(b->size)].insert(b);
+    if (index_live_ && indexed(b)) by_address_[size_class(b->size)].insert(b);
   }
   b->listed = true;
   if (b->is_whole_segment()) {
@@ -880,7 +896,7 @@ void CachingAllocator::erase_free(Block* b) {
     arena_free_.erase(b);
   } else {
     pool.free.erase(b);
-    if (indexed(b)) by_address_[size_class(b->size)].erase(b);
+    if (index_live_ && indexed(b)) by_address_[size_class(b->size)].erase(b);
   }
   b->listed = false;
   if (b->is_whole_segment()) {

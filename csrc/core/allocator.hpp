@@ -339,10 +339,15 @@ class CachingAllocator : public Allocator {
                                                           // (arenas excepted)
   std::set<Block*, BlockByAddress> arena_free_;           // free blocks of arenas, and claimed ones
   // pack_long_lived: the large pool's free blocks of virtual segments, by address, one set per
-  // power-of-two size class (lowest_fit in a few set lookups, not a walk of every block).
+  // power-of-two size class (lowest_fit in a few set lookups, not a walk of every block). Kept
+  // only through a run of allocations that asked for it (made at its first such request,
+  // dropped at the next free), so that the requests of other times pay nothing for it.
   static constexpr int kSizeClasses = 64;
   std::set<Block*, BlockByAddress> by_address_[kSizeClasses];
+  bool index_live_ = false;
   bool indexed(const Block* b) const;
+  void make_index();
+  void drop_index();
   std::size_t claimed_blocks_ = 0;                        // blocks (free or not) marked claimed
   std::unordered_map<std::uintptr_t, Share*> shares_;     // by page address, both sides
   std::deque<PendingEvent> pending_;
