@@ -417,6 +417,29 @@ def test_a_free_ends_the_burst_and_a_new_size_is_not_long_lived():
     assert a.malloc(size - 512) == exact  # fits the hole best; no old block has this size
 
 
+def test_a_burst_sent_low_falls_back_to_best_fit_rather_than_fail():
+    # Under a memory limit, the lowest free block (whose pages went to other requests) would
+    # need a page the limit refuses, while best fit has an exact hole on a mapped page.
+    page = 2 * MiB
+    for config in ("share_pages:False", "share_pages:False,pack_long_lived:False"):
+        _, a = make("pymemplan-vmm", config, capacity=GiB)
+        params = [a.malloc(64 * 1024) for _ in range(32)]  # page 0, full
+        low = a.malloc(5 * page)                           # pages 1-5
+        keep = [a.malloc(64 * 1024)]
+        exact = a.malloc(64 * 1024)
+        keep.append(a.malloc(1 * MiB))
+        a.free(low)
+        a.free(exact)
+        reserved = a.stats()["reserved_bytes.all.current"]
+        # 23 blocks of 6 pages from the free tail of page 6 on: 138 new pages, 5 of them moved
+        # from under `low`; the limit allows just that.
+        limit = reserved + (138 - 5) * page
+        a.set_memory_limit(limit)
+        run = [a.malloc(6 * page) for _ in range(23)]  # a run with no free, of no old size
+        assert a.stats()["reserved_bytes.all.current"] == limit
+        assert a.malloc(64 * 1024) == exact  # the 24th: lowest fit refused, best fit serves
+
+
 def _vmm_state(alloc):
     """Mapped pages, and the pages that could go back, from a snapshot: (mapped page addresses,
     {page address: size of the free block it starts in}) for pages no block in use touches."""

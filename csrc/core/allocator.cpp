@@ -433,10 +433,12 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   Pool& pool = pool_for(rounded);
   const bool virtual_memory = config_.vmm;
   Block* b = nullptr;
+  bool lowest = false;
   if (virtual_memory && config_.pack_long_lived && long_lived(rounded)) {
     if (!index_live_) make_index();
     b = lowest_fit(rounded, stream);
     if (b != nullptr) erase_free(b);
+    lowest = b != nullptr;
   }
   if (b == nullptr) b = find_free_block(pool, rounded, stream);
   if (b == nullptr && pool.small && config_.kind == PolicyKind::Pymemplan && !config_.vmm) {
@@ -455,6 +457,19 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
     } catch (...) {
       insert_free(b);  // a driver error: the block goes back as it was
       throw;
+    }
+    if (!backed && lowest) {
+      // The lowest address is a preference, never a reason to fail: where its pages cannot
+      // be had, best fit may find a block on pages mapped already.
+      insert_free(b);
+      b = find_free_block(pool, rounded, stream);
+      if (b == nullptr) b = new_virtual_segment(rounded, stream);
+      try {
+        backed = back(b, rounded);
+      } catch (...) {
+        insert_free(b);
+        throw;
+      }
     }
     if (!backed && claimed_blocks_ != 0) {
       // Free space reserved for a plan's holes may be what is missing: a plan is a
