@@ -451,39 +451,32 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   if (virtual_memory) {
     // ours (vmm): address space is free; only the pages under the block cost memory.
     if (b == nullptr) b = new_virtual_segment(rounded, stream);
-    bool backed = false;
-    try {
-      backed = back(b, rounded);
-    } catch (...) {
-      insert_free(b);  // a driver error: the block goes back as it was
-      throw;
-    }
+    auto back_or_return = [&] {
+      try {
+        return back(b, rounded);
+      } catch (...) {
+        insert_free(b);  // a driver error: the block goes back as it was
+        throw;
+      }
+    };
+    auto best_fit_again = [&] {  // after `b` could not be backed and went back to the lists
+      b = find_free_block(pool, rounded, stream);
+      if (b == nullptr) b = new_virtual_segment(rounded, stream);
+      return back_or_return();
+    };
+    bool backed = back_or_return();
     if (!backed && lowest) {
       // The lowest address is a preference, never a reason to fail: where its pages cannot
       // be had, best fit may find a block on pages mapped already.
       insert_free(b);
-      b = find_free_block(pool, rounded, stream);
-      if (b == nullptr) b = new_virtual_segment(rounded, stream);
-      try {
-        backed = back(b, rounded);
-      } catch (...) {
-        insert_free(b);
-        throw;
-      }
+      backed = best_fit_again();
     }
     if (!backed && claimed_blocks_ != 0) {
       // Free space reserved for a plan's holes may be what is missing: a plan is a
       // preference, never a reason to fail. Give the claims back and try once more.
       insert_free(b);
       unclaim_locked();
-      b = find_free_block(pool, rounded, stream);
-      if (b == nullptr) b = new_virtual_segment(rounded, stream);
-      try {
-        backed = back(b, rounded);
-      } catch (...) {
-        insert_free(b);
-        throw;
-      }
+      backed = best_fit_again();
     }
     if (!backed && config_.share_pages && device_->supports_page_sharing()) {
       // ours: pages that blocks in use fill only partly, paired onto one physical page
