@@ -618,6 +618,39 @@ def workloads():
 
         return heldout_models.gru_seq2seq()
 
+    def transformers_model(cls, config, **kw):
+        def make():
+            import transformers
+
+            return getattr(transformers, cls)(getattr(transformers, config)(**kw))
+        return make
+
+    def small_lm(cls, config, **kw):  # 4 layers, width 256, a vocabulary of 8,000
+        return transformers_model(cls, config, vocab_size=8000, **kw)
+
+    def pair_loss(batch, src, tgt):
+        return lambda model, i: model(input_ids=torch.randint(0, 8000, (batch, src)),
+                                      labels=torch.randint(0, 8000, (batch, tgt))).loss
+
+    def heldout_model(build):
+        def make():
+            import heldout_models
+
+            return getattr(heldout_models, build)()
+        return make
+
+    def reconstruction(batch, size):
+        def loss(model, i):
+            x = torch.randn(batch, 3, size, size)
+            return F.mse_loss(model(x), x)
+        return loss
+
+    def wide_mlp():
+        from torch import nn
+
+        return nn.Sequential(nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                             nn.Linear(2048, 10))
+
     varlen = [128, 384, 64, 512, 256, 448]
     return {
         "resnet50": (*vision("resnet50", 16), 3),
@@ -692,6 +725,51 @@ def workloads():
                                  set_to_none=False),
         "shufflenet_bf16": recipe(torchvision_model("shufflenet_v2_x1_0"),
                                   lambda p: torch.optim.Adam(p, 1e-3), images(32, 128), 4, bf16=True),
+        # Held out, added in a later session and measured before anything else changed: twelve
+        # more small workloads (19-333 MiB live, where one 2 MiB page is 0.6-11% of the peak),
+        # families none of the traces above has (SqueezeNet, MobileNetV2, EfficientNetV2,
+        # RoBERTa, ALBERT's shared layers, BLOOM's ALiBi, BART, Qwen2 under bf16 autocast, a
+        # bidirectional LSTM, PyTorch's own TransformerEncoder, a convolutional autoencoder, a
+        # plain MLP).
+        "squeezenet_sgd": recipe(torchvision_model("squeezenet1_1"),
+                                 lambda p: torch.optim.SGD(p, 0.01, momentum=0.9), images(16, 96), 4),
+        "mobilenet_v2_adamw": recipe(torchvision_model("mobilenet_v2"),
+                                     lambda p: torch.optim.AdamW(p, 1e-3), images(8, 128), 4),
+        "effnet_v2_s": recipe(torchvision_model("efficientnet_v2_s"),
+                              lambda p: torch.optim.Adam(p, 1e-3), images(2, 96), 4),
+        "roberta_4l": recipe(small_lm("RobertaForMaskedLM", "RobertaConfig", hidden_size=256,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      intermediate_size=1024, max_position_embeddings=258),
+                             lambda p: torch.optim.AdamW(p, 1e-4), lm_loss(8, 128), 4),
+        "albert_4l": recipe(small_lm("AlbertForMaskedLM", "AlbertConfig", embedding_size=128,
+                                     hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                     intermediate_size=1024),
+                            lambda p: torch.optim.AdamW(p, 1e-4), lm_loss(8, 128), 4),
+        "bloom_4l": recipe(small_lm("BloomForCausalLM", "BloomConfig", hidden_size=256, n_layer=4,
+                                    n_head=4),
+                           lambda p: torch.optim.AdamW(p, 1e-4), lm_loss(4, 128), 4, clip=1.0),
+        "bart_2l": recipe(small_lm("BartForConditionalGeneration", "BartConfig", d_model=256,
+                                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                   decoder_attention_heads=4, encoder_ffn_dim=1024,
+                                   decoder_ffn_dim=1024, max_position_embeddings=256),
+                          lambda p: torch.optim.AdamW(p, 1e-4), pair_loss(8, 96, 48), 4),
+        "qwen2_bf16": recipe(small_lm("Qwen2ForCausalLM", "Qwen2Config", hidden_size=256,
+                                      intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2),
+                             lambda p: torch.optim.AdamW(p, 1e-4), lm_loss(4, 128), 4, bf16=True),
+        "lstm_cls_sgd": recipe(heldout_model("lstm_classifier"), lambda p: torch.optim.SGD(p, 0.1),
+                               lambda model, i: F.cross_entropy(
+                                   model(torch.randint(0, 5000, (16, 80))),
+                                   torch.randint(0, 5, (16,))), 4),
+        "torch_encoder": recipe(heldout_model("encoder_lm"), lambda p: torch.optim.AdamW(p, 1e-4),
+                                lambda model, i: F.cross_entropy(
+                                    model(torch.randint(0, 6000, (8, 96))).flatten(0, 1),
+                                    torch.randint(0, 6000, (8 * 96,))), 4, clip=1.0),
+        "conv_ae": recipe(heldout_model("conv_autoencoder"), lambda p: torch.optim.Adam(p, 1e-3),
+                          reconstruction(16, 64), 5),
+        "mlp_wide": recipe(wide_mlp, lambda p: torch.optim.Adam(p, 1e-3),
+                           lambda model, i: F.cross_entropy(model(torch.randn(256, 784)),
+                                                            torch.randint(0, 10, (256,))), 4),
     }
 
 
@@ -737,6 +815,15 @@ def available(policies):
             continue
         out.append(p)
     return out
+
+
+def pages_over(reserved_bytes, live_bytes, target, page=PAGE):
+    """How many pages `reserved_bytes` must lose to be within `target` (1.03: 3%) of the live
+    bytes: on a small workload a miss is often a page or two (None without live bytes)."""
+    if not live_bytes:
+        return None
+    allowed = int(live_bytes * target) // page * page
+    return max(0, -(-(reserved_bytes - allowed) // page))
 
 
 def page_floor(live_bytes, page=PAGE):
@@ -912,6 +999,8 @@ def main() -> int:
                  "over_torch_expandable": (o["peak_reserved_bytes"]
                                            / by[(name, EXPANDABLE)]["peak_reserved_bytes"]
                                            if (name, EXPANDABLE) in by else None),
+                 # Pages the whole-trace peak must lose to be within 3% of live.
+                 "pages_over_3pct": pages_over(o["peak_reserved_bytes"], o["peak_live_bytes"], 1.03),
                  "at_most_torch": o["peak_reserved_bytes"] <= t["peak_reserved_bytes"],
                  "runs_where_torch_fails": o["ooms_at_torch_oom_capacity"] in (0, None)}
             if pol == "pymemplan":
@@ -930,6 +1019,8 @@ def main() -> int:
                 # The steady-state target is for traces whose iterations repeat.
                 v["steady_target_met"] = (steady is not None and steady <= 1.01
                                           if v["iterations_repeat"] else None)
+                v["steady_pages_over_1pct"] = (None if steady is None else pages_over(
+                    o["steady_peak_reserved_bytes"], o["steady_peak_live_bytes"], 1.01))
                 # Whether any allocator with this page size could meet it.
                 v["steady_target_reachable"] = (v["steady_page_floor_over_live"] <= 1.01
                                                 if steady is not None else
@@ -1030,7 +1121,30 @@ def main() -> int:
                   f"{v['over_torch']:.3f}, runs where torch fails: {v['runs_where_torch_fails']}"
                   f"; page floor {v['page_floor_over_live']:.3f}, offline {v['offline_over_live']:.3f}"
                   + ("" if v.get("steady_target_reachable", True) else
-                     " (the 1% steady target is below it)"))
+                     " (the 1% steady target is below it)")
+                  + f"; pages over 3%: {v['pages_over_3pct']}"
+                  + (f", steady pages over 1%: {v['steady_pages_over_1pct']}"
+                     if v.get("steady_pages_over_1pct") else ""))
+
+    def count(pol, key, limit, over):
+        rows = [v for v in verdicts if v["policy"] == pol and v[key] is not None]
+        misses = [v[over] for v in rows if v[key] > limit]
+        return (f"{len(rows) - len(misses)} of {len(rows)}"
+                + (f" (misses a page away: {sum(m == 1 for m in misses)}, two: "
+                   f"{sum(m == 2 for m in misses)}, more: {sum(m > 2 for m in misses)})"
+                   if misses else ""))
+
+    if "pymemplan-planned" in policies:
+        repeat = [v for v in verdicts if v["policy"] == "pymemplan-planned" and v["iterations_repeat"]]
+        steady = [v["steady_pages_over_1pct"] for v in repeat if not v["steady_target_met"]]
+        print(f"\nWithin 3% over the whole trace: pymemplan-vmm "
+              f"{count('pymemplan-vmm', 'over_live', 1.03, 'pages_over_3pct')}; pymemplan-planned "
+              f"{count('pymemplan-planned', 'over_live', 1.03, 'pages_over_3pct')}. pymemplan-planned "
+              f"within 1% in the steady state: {len(repeat) - len(steady)} of {len(repeat)} traces "
+              f"whose iterations repeat (misses a page away: {sum(m == 1 for m in steady)}, "
+              f"two: {sum(m == 2 for m in steady)}, more: {sum(m is not None and m > 2 for m in steady)}, "
+              f"no steady state: "
+              f"{sum(m is None for m in steady)}).")
     print(f"-> {RESULT}")
     return 0
 

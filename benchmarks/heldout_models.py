@@ -145,3 +145,52 @@ def gru_seq2seq(vocab: int = 4000, d: int = 256, layers: int = 2):
             return F.cross_entropy(self.head(out).flatten(0, 1), tgt.flatten())
 
     return Seq2Seq()
+
+
+def lstm_classifier(vocab: int = 5000, d: int = 128, hidden: int = 256, classes: int = 5):
+    """An embedding, a two-layer bidirectional LSTM, the mean over time and a linear head."""
+    from torch import nn
+
+    class LSTMClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.rnn = nn.LSTM(d, hidden, 2, batch_first=True, bidirectional=True)
+            self.head = nn.Linear(2 * hidden, classes)
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.embed(ids))[0].mean(1))
+
+    return LSTMClassifier()
+
+
+def encoder_lm(vocab: int = 6000, d: int = 256, layers: int = 3):
+    """PyTorch's own nn.TransformerEncoder (dropout on, post-norm) over an embedding, with a
+    linear head over the vocabulary."""
+    from torch import nn
+
+    class EncoderLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            layer = nn.TransformerEncoderLayer(d, 4, 4 * d, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            return self.head(self.encoder(self.embed(ids)))
+
+    return EncoderLM()
+
+
+def conv_autoencoder(c: int = 32):
+    """Three strided convolutions with BatchNorm down, three transposed convolutions up."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, 2, 1), nn.BatchNorm2d(c), nn.ReLU(),
+        nn.Conv2d(c, 2 * c, 3, 2, 1), nn.BatchNorm2d(2 * c), nn.ReLU(),
+        nn.Conv2d(2 * c, 4 * c, 3, 2, 1), nn.ReLU(),
+        nn.ConvTranspose2d(4 * c, 2 * c, 4, 2, 1), nn.ReLU(),
+        nn.ConvTranspose2d(2 * c, c, 4, 2, 1), nn.ReLU(),
+        nn.ConvTranspose2d(c, 3, 4, 2, 1))

@@ -1542,3 +1542,22 @@ def test_the_largest_failing_capacity_is_found_where_failing_is_not_monotone(mon
     fails_at = {416, 418}
     assert alloc_replay.oom_capacity(trace, "torch", 416 * MiB, 440 * MiB) == 418 * MiB
     assert alloc_replay.oom_capacity(trace, "torch", 420 * MiB, 440 * MiB) is None
+
+
+def test_pages_over_a_target_counts_the_pages_a_peak_must_lose():
+    # The benchmark reports how far a miss is, in 2 MiB pages: on a small workload one page
+    # can be most of the margin.
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import alloc_replay
+
+    # 3% of 100 MiB allows 103 MiB, so at most 102 MiB in whole pages.
+    assert alloc_replay.pages_over(102 * MiB, 100 * MiB, 1.03) == 0
+    assert alloc_replay.pages_over(104 * MiB, 100 * MiB, 1.03) == 1
+    assert alloc_replay.pages_over(106 * MiB, 100 * MiB, 1.03) == 2
+    assert alloc_replay.pages_over(105 * MiB, 100 * MiB, 1.03) == 2  # a partial page counts
+    # 1% over 59.9 MiB allows 60.5 MiB, 60 in whole pages: 62 MiB is a page over.
+    assert alloc_replay.pages_over(62 * MiB, int(59.9 * MiB), 1.01) == 1
+    assert alloc_replay.pages_over(90 * MiB, 100 * MiB, 1.03) == 0
+    assert alloc_replay.pages_over(2 * MiB, 0, 1.03) is None
