@@ -70,7 +70,8 @@ def main() -> int:
                                plans=plans)
             run["restarted"] = {k: again[k] for k in ("ops", "plans_imported", "plan_hits", "ooms")}
         runs.append(run)
-        hits = f"  {report['plan_hits']:>9,} plan hits" if policy == "pymemplan-planned" else ""
+        hits = (f"  {report['plan_hits']:>9,} plan hits ({report['plan_tail_layouts']} from a page's tail)"
+                if policy == "pymemplan-planned" else "")
         print(f"{policy:17s} {config:48s} {'periodic ' if periodic else '':9s}"
               f"{report['ops']:>11,} ops  {report['ooms']:>8,} OOMs  "
               f"{report['full_checks']:>6,} full checks{hits}  {seconds:6.1f} s  ok", flush=True)

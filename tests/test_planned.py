@@ -524,6 +524,31 @@ def test_claimed_holes_are_not_taken_by_requests_outside_the_plan():
     check_invariants(r.alloc, r.device, r.live)
 
 
+def test_the_layout_starts_in_the_free_tail_of_a_kept_page_where_that_saves_a_page():
+    """An arena is a range of its own: where its blocks' peak runs a little past a whole
+    number of pages, its last page is mostly empty. Here (forty parameters, a step of twelve
+    layers) the plan's blocks peak 0.8 MiB past their last whole page, and one of the
+    parameters' pages has more than that free at its end, where a free block runs on over
+    pages nobody keeps: the layout goes there instead, sharing that page. The steady state
+    holds the live peak in whole pages, the least any page allocator can (before: 336 MiB,
+    a page more)."""
+    r = Runner()
+    run_prologue(r)
+    step = make_iteration(9)
+    for i in range(5):
+        r.run(step, i)
+    r.reset_peaks()
+    for i in range(5, 8):
+        r.run(step, i, check_every=17)
+    ps = r.plan()
+    assert ps["armed"] and ps["tail_layouts"] >= 1, ps
+    assert ps["plan_arena_bytes"] == 0 and ps["plan_hole_cost_bytes"] > 0, ps
+    page = 2 * MiB
+    floor = -(-r.peak_live // page) * page
+    assert r.stats()["reserved_bytes.all.peak"] == floor, (r.stats()["reserved_bytes.all.peak"] / MiB, floor / MiB)
+    check_invariants(r.alloc, r.device, r.live)
+
+
 def _identical_layers(layers=24, size=16 * MiB):
     """A step of identical layers: the sequence repeats within the step, not only across."""
     ops = []
@@ -646,11 +671,16 @@ def test_a_plan_made_from_the_first_step_is_made_again_from_the_step_as_it_repea
     check_invariants(r.alloc, r.device, r.live)
 
 
-def test_a_plan_is_made_again_while_a_block_it_placed_lives_across_the_cut():
+@pytest.mark.parametrize("config", ["holes:0", ""])
+def test_a_plan_is_made_again_while_a_block_it_placed_lives_across_the_cut(config):
     """A block made at the end of each step and released early in the next (a loss kept for
-    logging) sits in the arena when the pass ends. The plan is made again all the same; the
-    block keeps its range, and every block stays apart (checked as the steps run)."""
-    r = Runner()
+    logging) sits in the plan's layout when the pass ends. The plan is made again all the
+    same; the block keeps its range, and every block stays apart (checked as the steps run).
+    With holes, the first plan's layout starts in the free tail of a parameters' page, and
+    here the layout made again is not used: packed against the holes of then (the block holds
+    part of that tail), it would hold more than the pass did, and by the rule for plans made
+    again the first layout serves on. The steps are served as fully either way."""
+    r = Runner(config=config)
     run_prologue(r)
     base = make_iteration(2, scale=4)
     carry = ("a", "carry", 3 * MiB + 123, 0)
@@ -666,7 +696,9 @@ def test_a_plan_is_made_again_while_a_block_it_placed_lives_across_the_cut():
     for i in range(1, 9):
         step(i)
     ps = r.plan()
-    assert ps["remakes"] == 1 and ps["active_plan_period"] == len(base) + 2, ps
+    assert ps["remakes"] == 1, ps
+    if config == "holes:0":
+        assert ps["active_plan_period"] == len(base) + 2, ps
     r.reset_peaks()
     hits = ps["plan_hits"]
     for i in range(9, 13):
@@ -715,11 +747,12 @@ def test_random_loops_whose_passes_pass_over_the_first_steps_slots_are_made_agai
 
 
 def test_a_plan_made_again_keeps_its_layout_where_the_new_one_would_hold_more():
-    """Random training loop 18 (benchmarks/alloc_random.py): its plan, made from a window that
-    held the first step's optimizer state, serves the third step at 524 MiB; in the fourth,
-    the pass shorter than its period makes it again (a remake), and the new layout, packed
-    against the holes of then, would hold 526 MiB. Before: the steady state was 1.0122; the
-    plan now keeps the layout that served the pass, and it stays at 1.0084."""
+    """Random training loop 341 (benchmarks/alloc_random.py): its plan arms with a footprint of
+    952 MiB; the next pass, shorter than its period, makes it again (a remake), and the new
+    layout, packed against the holes of then, would hold 956 MiB. The plan keeps the layout
+    that served the pass, and the steady state stays at 1.0031. (Random loop 18 showed it
+    first: 1.0122 before the rule, 1.0084 with it; there the layout made again now starts in
+    the free tail of a kept page and holds no more, and serves.)"""
     import sys
 
     from pymemplan import _core
@@ -728,9 +761,9 @@ def test_a_plan_made_again_keeps_its_layout_where_the_new_one_would_hold_more():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from synthetic_traces import random_training
 
-    trace = random_training(18)
+    trace = random_training(341)
     planned = replay(trace, [POLICY])[0]
-    assert planned.steady_reserved_over_live < 1.009, planned.steady_reserved_over_live
+    assert planned.steady_reserved_over_live < 1.0035, planned.steady_reserved_over_live
     # The plan kept serves on with its claims taken again: every invariant holds throughout.
     device = _core.SimulatedDevice(80 << 30)
     alloc = _core.Allocator(device, POLICY, "")

@@ -41,15 +41,19 @@ def exported():
     return trace, alloc.export_plans(), high
 
 
-def test_plans_of_an_earlier_run_serve_the_next_one_from_its_first_step(exported):
-    """Without plans, the plan of the step is found in the second step and serves from the
-    third: the run peaks at 1.0238 of live. With the first run's plans it arms at the end of
-    the first step, whose pass matched it, and the second step is served from it: 1.0122."""
-    trace, plans, _ = exported
+def test_plans_of_an_earlier_run_serve_the_next_one_from_its_first_step():
+    """Random training loop 33 (benchmarks/alloc_random.py). Without plans, a plan serves from
+    event 828 of 1,812 and the run peaks at 1.022 of live. With the first run's plans one
+    serves from event 346, and the run holds 1.003. (Loop 18 showed it before its plans were
+    laid out from the free tail of a kept page: 1.0238 -> 1.0122; its loaded plan is now
+    refused at the end of the first step, packed above the peak of the run it comes from.)"""
+    trace = random_training(33)
+    alloc, _, _ = run(trace)
+    plans = alloc.export_plans()
     cold = replay(trace, [POLICY])[0]
     warm = replay(trace, [POLICY], plans=plans)[0]
     assert warm.peak_reserved_bytes < cold.peak_reserved_bytes
-    assert warm.reserved_over_live < 1.013, warm.reserved_over_live
+    assert warm.reserved_over_live < 1.005, warm.reserved_over_live
     assert 0 <= warm.steady_from_event < cold.steady_from_event
     # Served from imported plans, no two live blocks overlap and the pool's books balance.
     alloc, high, _ = run(trace, plans, check_every=25)

@@ -2093,6 +2093,23 @@ void CachingAllocator::unclaim_locked() {
   }
 }
 
+std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_tails() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> out;
+  const std::size_t page = device_->granularity();
+  for (const auto& [addr, seg] : segments_) {
+    if (!seg->vmm || seg->arena) continue;
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->listed || b->claimed) continue;
+      const std::size_t first = (b->addr - seg->addr) / page;
+      const std::size_t last = (b->addr + b->size - 1 - seg->addr) / page;
+      const bool kept = seg->pages[first] != 0 && seg->users[first] != 0;
+      if (kept && last > first && b->addr % page != 0) out.emplace_back(b->addr, b->size);
+    }
+  }
+  return out;
+}
+
 std::size_t CachingAllocator::unkept_bytes(
     const std::vector<std::pair<std::uintptr_t, std::size_t>>& ranges) const {
   std::lock_guard<std::mutex> lock(mutex_);

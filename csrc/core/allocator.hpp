@@ -127,6 +127,11 @@ class CachingAllocator : public Allocator {
   // and whole free blocks that begin and end on such pages (the pages between are not kept:
   // see unkept_bytes). A plan places blocks there (allocate_in_hole) before it sizes its arena.
   std::vector<std::pair<std::uintptr_t, std::size_t>> page_holes() const;
+  // Free blocks of the pool's virtual segments (arenas excepted) that begin on a page a block
+  // in use keeps mapped and end past it on pages nobody keeps, as (address, bytes): a layout
+  // started there shares its first page with that block (pymemplan-planned puts its arena
+  // there where that saves a page).
+  std::vector<std::pair<std::uintptr_t, std::size_t>> page_tails() const;
   // Bytes of the distinct pages under these ranges that no block in use keeps mapped: what
   // serving blocks there would map (or keep mapped) beyond the pages held anyway.
   std::size_t unkept_bytes(const std::vector<std::pair<std::uintptr_t, std::size_t>>& ranges) const;

@@ -412,6 +412,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t ties_ = 0;  // ties between candidate periods narrowed (narrow_tie())
   std::uint64_t remakes_ = 0;  // plans made again from a pass of another length (boundary())
   std::uint64_t layouts_kept_ = 0;  // plans made again whose new layout held more (boundary())
+  std::uint64_t tail_layouts_ = 0;  // packings laid out from a kept page's free tail (pack())
   std::uint64_t imported_ = 0;  // plans added by import_plans()
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
   std::uint64_t first_request_cuts_ = 0;  // passes started by the plan's first request after a divergence

@@ -361,6 +361,7 @@ PYBIND11_MODULE(_core, m) {
         d["plan_fallbacks"] = r.plan_fallbacks;
         d["plan_remakes"] = r.plan_remakes;
         d["plan_layouts_kept"] = r.plan_layouts_kept;
+        d["plan_tail_layouts"] = r.plan_tail_layouts;
         d["plan_full_rearms"] = r.plan_full_rearms;
         d["plan_first_request_cuts"] = r.plan_first_request_cuts;
         d["plan_busy_arenas_retired"] = r.plan_busy_arenas_retired;

@@ -86,6 +86,7 @@ class Fuzzer {
         if (k == "hole_hits") r_.plan_hole_hits = static_cast<std::uint64_t>(v);
         if (k == "remakes") r_.plan_remakes = static_cast<std::uint64_t>(v);
         if (k == "layouts_kept") r_.plan_layouts_kept = static_cast<std::uint64_t>(v);
+        if (k == "tail_layouts") r_.plan_tail_layouts = static_cast<std::uint64_t>(v);
         if (k == "full_rearms") r_.plan_full_rearms = static_cast<std::uint64_t>(v);
         if (k == "first_request_cuts") r_.plan_first_request_cuts = static_cast<std::uint64_t>(v);
         if (k == "busy_arenas_retired") r_.plan_busy_arenas_retired = static_cast<std::uint64_t>(v);

@@ -44,6 +44,7 @@ struct FuzzReport {
   std::uint64_t plan_hole_hits = 0;  // of plan_hits, served in a hole of the pool
   std::uint64_t plan_remakes = 0;    // plans made again from a pass shorter than their period
   std::uint64_t plan_layouts_kept = 0;  // plans made again that kept their layout (it held less)
+  std::uint64_t plan_tail_layouts = 0;  // packings laid out from a kept page's free tail
   std::uint64_t plan_full_rearms = 0;      // plans armed by their first requests, then whole
   std::uint64_t plan_first_request_cuts = 0;  // passes started by a plan's first request after a divergence
   std::uint64_t plan_busy_arenas_retired = 0;  // arenas retired into the pool with live blocks
