@@ -2006,41 +2006,51 @@ void* CachingAllocator::allocate_in_hole(std::uintptr_t addr, std::size_t rounde
   return allocate_range(seg, addr, rounded, requested, stream);
 }
 
+namespace {
+// Calls f(segment, block) for each listed free block of the pool's virtual segments (arenas
+// excepted), in address order.
+template <class F>
+void each_free_vmm_block(const std::map<std::uintptr_t, Segment*>& segments, F&& f) {
+  for (const auto& [addr, seg] : segments) {
+    if (!seg->vmm || seg->arena) continue;
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->listed) f(seg, b);
+    }
+  }
+}
+}  // namespace
+
 std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_holes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::pair<std::uintptr_t, std::size_t>> out;
   const std::size_t page = device_->granularity();
-  for (const auto& [addr, seg] : segments_) {
-    if (!seg->vmm || seg->arena) continue;
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (!b->listed) continue;
-      const std::uintptr_t end = b->addr + b->size;
-      auto kept_at = [&](std::uintptr_t x) {
-        const std::size_t i = (x - seg->addr) / page;
-        return seg->pages[i] != 0 && seg->users[i] != 0;
-      };
-      if (kept_at(b->addr) && kept_at(end - 1)) {
-        // Between two pages kept anyway: a block placed here pays only for the pages inside
-        // (unkept_bytes) and gets the free parts at both ends for nothing.
-        out.emplace_back(b->addr, b->size);
-        continue;
-      }
-      // Otherwise split the free block at the pages no block in use touches (or not mapped).
-      std::uintptr_t run = 0;
-      for (std::uintptr_t x = b->addr; x < end;) {
-        const std::size_t i = (x - seg->addr) / page;
-        const std::uintptr_t next = std::min<std::uintptr_t>(end, seg->addr + (i + 1) * page);
-        const bool kept = seg->pages[i] != 0 && seg->users[i] != 0;
-        if (kept && run == 0) run = x;
-        if (!kept && run != 0) {
-          out.emplace_back(run, x - run);
-          run = 0;
-        }
-        x = next;
-      }
-      if (run != 0) out.emplace_back(run, end - run);
+  each_free_vmm_block(segments_, [&](const Segment* seg, const Block* b) {
+    const std::uintptr_t end = b->addr + b->size;
+    auto kept_at = [&](std::uintptr_t x) {
+      const std::size_t i = (x - seg->addr) / page;
+      return seg->pages[i] != 0 && seg->users[i] != 0;
+    };
+    if (kept_at(b->addr) && kept_at(end - 1)) {
+      // Between two pages kept anyway: a block placed here pays only for the pages inside
+      // (unkept_bytes) and gets the free parts at both ends for nothing.
+      out.emplace_back(b->addr, b->size);
+      return;
     }
-  }
+    // Otherwise split the free block at the pages no block in use touches (or not mapped).
+    std::uintptr_t run = 0;
+    for (std::uintptr_t x = b->addr; x < end;) {
+      const std::size_t i = (x - seg->addr) / page;
+      const std::uintptr_t next = std::min<std::uintptr_t>(end, seg->addr + (i + 1) * page);
+      const bool kept = seg->pages[i] != 0 && seg->users[i] != 0;
+      if (kept && run == 0) run = x;
+      if (!kept && run != 0) {
+        out.emplace_back(run, x - run);
+        run = 0;
+      }
+      x = next;
+    }
+    if (run != 0) out.emplace_back(run, end - run);
+  });
   return out;
 }
 
@@ -2097,16 +2107,12 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> CachingAllocator::page_tails
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::pair<std::uintptr_t, std::size_t>> out;
   const std::size_t page = device_->granularity();
-  for (const auto& [addr, seg] : segments_) {
-    if (!seg->vmm || seg->arena) continue;
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (!b->listed || b->claimed) continue;
-      const std::size_t first = (b->addr - seg->addr) / page;
-      const std::size_t last = (b->addr + b->size - 1 - seg->addr) / page;
-      const bool kept = seg->pages[first] != 0 && seg->users[first] != 0;
-      if (kept && last > first && b->addr % page != 0) out.emplace_back(b->addr, b->size);
-    }
-  }
+  each_free_vmm_block(segments_, [&](const Segment* seg, const Block* b) {
+    const std::size_t first = (b->addr - seg->addr) / page;
+    const std::size_t last = (b->addr + b->size - 1 - seg->addr) / page;
+    const bool kept = seg->pages[first] != 0 && seg->users[first] != 0;
+    if (!b->claimed && kept && last > first && b->addr % page != 0) out.emplace_back(b->addr, b->size);
+  });
   return out;
 }
 
