@@ -356,7 +356,7 @@ def test_share_pages_through_the_python_api():
     """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="1GiB")
 
 
-# One run of random training loop 18 (benchmarks/alloc_random.py) through the live plugin:
+# One run of random training loop 33 (benchmarks/alloc_random.py) through the live plugin:
 # prints its highest reserved bytes. PLANS_IN / PLANS_OUT: files to load and save plans.
 REPLAY_WITH_PLANS = """
 import os, sys
@@ -368,7 +368,7 @@ pymemplan.enable("pymemplan-planned", oom_action="null")
 lib = _library.load()
 if os.environ.get("PLANS_IN"):
     print("loaded", pymemplan.load_plans(os.environ["PLANS_IN"]))
-t = random_training(18)
+t = random_training(33)
 ptr = {{}}
 for a, p, n, s in zip(t.action.tolist(), t.ptr.tolist(), t.size.tolist(), t.stream.tolist()):
     if a == 0:
@@ -385,8 +385,8 @@ if os.environ.get("PLANS_OUT"):
 
 def test_plans_saved_by_one_run_serve_the_next_through_the_plugin(tmp_path):
     """The same job twice over the fake driver: the second run loads the first one's plans
-    and is served from them a step sooner, so it holds less at its peak (as the core's
-    replays of the same loop: 1.0238 of live without, 1.0122 with)."""
+    and is served from them sooner, so it holds less at its peak (as the core's replays of
+    the same loop: 1.022 of live without, 1.003 with)."""
     code = REPLAY_WITH_PLANS.format(benchmarks=str(Path(__file__).resolve().parent.parent / "benchmarks"))
     plans = tmp_path / "plans.txt"
     env = dict(PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="2GiB")
