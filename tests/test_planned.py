@@ -347,6 +347,13 @@ def test_packing_gives_up_and_stops_at_the_granule():
     # Nothing fits under the bound: no offsets, arena past the give-up level.
     none = _core.pack_blocks(start, life, size, period, 8, 1, full["bound"] - 512)
     assert none["offsets"] == [] and none["arena"] == full["bound"] - 512 + 1
+    assert none["runs"] == 0  # known without a run: every arena holds the bound
+    # Between the bound and what the runs reach: each run stops as soon as it must pass the
+    # level, and the result is the same as without one wherever a run gets under it.
+    assert full["arena"] > full["bound"]
+    between = _core.pack_blocks(start, life, size, period, 8, 1, full["arena"] - 512)
+    assert between["offsets"] == [] and between["runs"] == full["runs"]
+    assert _core.pack_blocks(start, life, size, period, 8, 1, full["arena"]) == full
 
 
 # ---------------------------------------------------------------------------------------------

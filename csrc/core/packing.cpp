@@ -106,16 +106,26 @@ std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Span
   for (std::size_t r = 0; r < order.size(); ++r) heap.push_back(make(0, r));
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue(
       std::greater<Entry>(), std::move(heap));
-  offsets.assign(blocks.size(), 0);
+  offsets.assign(blocks.size(), capacity == kNone ? 0 : kNone);
   std::size_t arena = 0;
+  // Keys only rise: a block found too high once (past the capacity, or reaching the limit)
+  // stays too high, and is settled at once rather than queued again.
+  auto too_high = [&](std::size_t key, std::size_t i) {
+    return key + blocks[i].size > capacity || key + blocks[i].size >= limit;
+  };
   while (!queue.empty()) {
     Entry e = queue.top();
     queue.pop();
+    bool lowest = true;  // e is the lowest block left (false: found too high on the way)
     for (;;) {
       const std::size_t key = key_of(order[rank_at(e)]);
       if (key == key_at(e)) break;
-      // The skyline rose under it since it was queued. Still the lowest: place it at once.
       e = make(key, rank_at(e));
+      if (too_high(key, order[rank_at(e)])) {
+        lowest = false;
+        break;
+      }
+      // The skyline rose under it since it was queued. Still the lowest: place it at once.
       if (queue.empty() || !(queue.top() < e)) break;
       queue.push(e);
       e = queue.top();
@@ -123,9 +133,10 @@ std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Span
     }
     const std::size_t i = order[rank_at(e)];
     const std::size_t key = key_at(e);
-    if (capacity != kNone && key + blocks[i].size > capacity) {
-      offsets[i] = kNone;
-      continue;
+    if (lowest && capacity != kNone && key >= capacity) break;  // full: nothing else fits
+    if (too_high(key, i)) {
+      if (key + blocks[i].size >= limit) return key + blocks[i].size;  // this run cannot win
+      continue;  // past the capacity: left out
     }
     offsets[i] = key;
     const std::size_t top = key + blocks[i].size;
@@ -246,6 +257,10 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
   r.bound = live_bound(blocks, period);
   const std::size_t n = blocks.size();
   if (n == 0) return r;
+  if (give_up != 0 && r.bound > give_up) {  // no run can: every arena holds the bound
+    r.arena = give_up + 1;
+    return r;
+  }
   const Timeline tl(blocks, period);
   const std::vector<Spans>& spans = tl.spans;
   const std::size_t intervals = tl.intervals;
