@@ -667,6 +667,10 @@ def test_a_plan_made_from_the_first_step_is_made_again_from_the_step_as_it_repea
     ps = r.plan()
     assert ps["remakes"] == 1 and ps["active_plan_period"] == len(later), ps
     assert ps["armed"] == 1 and ps["slot_busy"] == 0, ps
+    # The plan made again has the first one's blocks in the same order of allocations and
+    # frees (the one-off requests between them aside): packed against the same holes, it
+    # reuses the packings the first one computed (the layouts are checked as the steps run).
+    assert ps["packings_reused"] >= 1, ps
     r.reset_peaks()
     hits = ps["plan_hits"]
     for i in range(5, 8):

@@ -66,6 +66,31 @@ std::uint64_t pow_base(std::uint64_t e) {
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 
+// The blocks with each time replaced by its rank among the distinct start and end times: what
+// decides which blocks overlap in time. Blocks equal in this form (a plan made again from a
+// pass with other requests between the same ones) have the same conflicts and sizes: a
+// packing of one is a valid packing of the other, with the same arena.
+std::vector<PackBlock> in_order(const std::vector<PackBlock>& blocks, std::size_t period) {
+  std::vector<std::size_t> cuts = {0};
+  for (const PackBlock& b : blocks) {
+    cuts.push_back(b.start);
+    cuts.push_back((b.start + b.life) % period);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  auto rank = [&](std::size_t t) {
+    return static_cast<std::size_t>(std::lower_bound(cuts.begin(), cuts.end(), t) - cuts.begin());
+  };
+  std::vector<PackBlock> out;
+  out.reserve(blocks.size());
+  for (const PackBlock& b : blocks) {
+    const std::size_t s = rank(b.start), e = rank((b.start + b.life) % period);
+    const std::size_t life = b.life == period ? cuts.size() : (e + cuts.size() - s) % cuts.size();
+    out.push_back({s, life, b.size});
+  }
+  return out;
+}
+
 std::string trim(const std::string& s) {
   std::size_t b = 0, e = s.size();
   while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
@@ -298,6 +323,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("detection_ties", num(ties_));
   put("layouts_kept", num(layouts_kept_));
   put("tail_layouts", num(tail_layouts_));
+  put("packings_reused", num(packings_reused_));
   put("full_rearms", num(full_rearms_));
   put("first_request_cuts", num(first_request_cuts_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
@@ -906,6 +932,79 @@ std::uint64_t PlannedAllocator::holes_key(const Ranges& holes) const {
   return h;
 }
 
+std::vector<PlannedAllocator::Candidate> PlannedAllocator::candidates(
+    const std::vector<PackBlock>& all, std::size_t period, std::size_t give_up, const Ranges& holes,
+    Packed& memo, std::size_t* last_bound) {
+  std::vector<std::size_t> hole_sizes;
+  for (const auto& h : holes) hole_sizes.push_back(h.second);
+  std::vector<Candidate> made;
+  constexpr HoleRule kRules[] = {HoleRule::kSkyline, HoleRule::kGreedy, HoleRule::kGreedyByArea,
+                                 HoleRule::kGreedyByLife, HoleRule::kPeakShave};
+  constexpr int kNoHoles = 5;
+  const HoleCost pages_added = [&](std::size_t h, std::size_t top) {
+    return pool_->unkept_bytes({{holes[h].first, top}});
+  };
+  memo.tries.resize(kNoHoles + 1);
+  for (int use = 0; use <= kNoHoles; ++use) {  // holes by each rule, then no holes
+    if (use < kNoHoles && hole_sizes.empty()) continue;
+    Try& t = memo.tries[use];
+    std::vector<PackBlock> blocks;
+    if (!t.filled) {
+      t.c.fill = use == kNoHoles ? fill_holes(all, period, {})
+                                 : fill_holes(all, period, hole_sizes, kRules[use], pages_added);
+      std::vector<std::pair<std::uintptr_t, std::size_t>> placed;
+      for (std::size_t k = 0; k < all.size(); ++k) {
+        if (t.c.fill.hole[k] != HoleFill::kNone) {
+          placed.emplace_back(holes[t.c.fill.hole[k]].first + t.c.fill.offset[k], all[k].size);
+        } else {
+          t.c.arena_block.push_back(k);
+        }
+      }
+      t.c.hole_cost = placed.empty() ? 0 : pool_->unkept_bytes(placed);
+      t.filled = true;
+    }
+    if (t.c.hole_cost > give_up) continue;
+    const std::size_t level = give_up - t.c.hole_cost;
+    const std::size_t n = t.c.arena_block.size();
+    // Known from an earlier packing at another level: above the bound's page, pack_blocks
+    // makes the same runs at any level and keeps the lowest arena if it is under the level.
+    PackResult r;
+    bool known = false;
+    if (t.packed) {
+      const std::size_t good = round_up(t.result.bound, page());
+      const bool fitted = t.result.offsets.size() == n;
+      if (t.level == level) {
+        known = true;
+        r = t.result;
+      } else if (t.level >= good && level >= good && (fitted || level < t.level)) {
+        known = true;
+        r = t.result;
+        if (!fitted || r.arena > level) {  // none of its runs is under this level
+          r.offsets.clear();
+          r.arena = level + 1;
+        }
+      }
+    }
+    if (known) {
+      ++packings_reused_;
+    } else {
+      for (std::size_t k : t.c.arena_block) blocks.push_back(all[k]);
+      r = pack_blocks(blocks, period, config_.search_rounds, page(), level);
+      t.result = r;
+      t.level = level;
+      t.packed = true;
+    }
+    *last_bound = r.bound;
+    if (r.offsets.size() != n) continue;  // no packing within give_up
+    Candidate c = t.c;
+    c.packed = std::move(r);
+    c.raw_arena = c.packed.arena;
+    c.packed.arena = round_up(c.packed.arena, page());
+    made.push_back(std::move(c));
+  }
+  return made;
+}
+
 bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& holes) {
   // Offsets are computed only for a plan that arms: detection builds many plans (of repeated
   // layers, of iterations seen once) that never do. Variant 1 leaves out the first kPrefix
@@ -920,47 +1019,24 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& h
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::size_t> slot_of;
   const std::vector<PackBlock> all = variant_blocks(p, v, &slot_of);
-  std::vector<std::size_t> hole_sizes;
-  for (const auto& h : holes) hole_sizes.push_back(h.second);
-  struct Candidate {
-    HoleFill fill;
-    PackResult packed;
-    std::vector<std::size_t> arena_slot;
-    std::size_t hole_cost = 0;
-    std::size_t raw_arena = 0;  // packed.arena before rounding up to a page
-    std::size_t footprint() const { return packed.arena + hole_cost; }
+  const std::uint64_t key = holes_key(holes);
+  const std::vector<PackBlock> order = in_order(all, p.period);
+  auto same = [&](const Packed& m) {
+    return m.holes_key == key && m.holes == holes &&
+           std::equal(m.blocks.begin(), m.blocks.end(), order.begin(), order.end(),
+                      [](const PackBlock& a, const PackBlock& b) {
+                        return a.start == b.start && a.life == b.life && a.size == b.size;
+                      });
   };
-  std::vector<Candidate> made;
-  constexpr HoleRule kRules[] = {HoleRule::kSkyline, HoleRule::kGreedy, HoleRule::kGreedyByArea,
-                                 HoleRule::kGreedyByLife, HoleRule::kPeakShave};
-  constexpr int kNoHoles = 5;
-  const HoleCost pages_added = [&](std::size_t h, std::size_t top) {
-    return pool_->unkept_bytes({{holes[h].first, top}});
-  };
-  for (int use = 0; use <= kNoHoles; ++use) {  // holes by each rule, then no holes
-    if (use < kNoHoles && hole_sizes.empty()) continue;
-    Candidate c;
-    c.fill = use == kNoHoles ? fill_holes(all, p.period, {})
-                             : fill_holes(all, p.period, hole_sizes, kRules[use], pages_added);
-    std::vector<PackBlock> blocks;
-    std::vector<std::pair<std::uintptr_t, std::size_t>> placed;
-    for (std::size_t k = 0; k < all.size(); ++k) {
-      if (c.fill.hole[k] != HoleFill::kNone) {
-        placed.emplace_back(holes[c.fill.hole[k]].first + c.fill.offset[k], all[k].size);
-        continue;
-      }
-      blocks.push_back(all[k]);
-      c.arena_slot.push_back(slot_of[k]);
-    }
-    c.hole_cost = placed.empty() ? 0 : pool_->unkept_bytes(placed);
-    if (c.hole_cost > give_up) continue;
-    c.packed = pack_blocks(blocks, p.period, config_.search_rounds, page(), give_up - c.hole_cost);
-    last_bound_ = c.packed.bound;
-    if (c.packed.offsets.size() != blocks.size()) continue;  // no packing within give_up
-    c.raw_arena = c.packed.arena;
-    c.packed.arena = round_up(c.packed.arena, page());
-    made.push_back(std::move(c));
+  auto memo = std::find_if(packed_.begin(), packed_.end(), same);
+  if (memo == packed_.end()) {
+    if (packed_.size() == kPackedKept) packed_.erase(packed_.begin());
+    packed_.push_back({order, holes, key, {}});
+    memo = std::prev(packed_.end());
   }
+  std::size_t bound = last_bound_;
+  std::vector<Candidate> made = candidates(all, p.period, give_up, holes, *memo, &bound);
+  last_bound_ = bound;
   pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (made.empty()) {
     last_arena_ = 0;
@@ -1011,8 +1087,8 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& h
     slot.offset[v] = kNoOffset;
     slot.hole[v] = c.fill.hole[k] == HoleFill::kNone ? 0 : holes[c.fill.hole[k]].first + c.fill.offset[k];
   }
-  for (std::size_t k = 0; k < c.arena_slot.size(); ++k) {
-    Slot& slot = p.slots[c.arena_slot[k]];
+  for (std::size_t k = 0; k < c.arena_block.size(); ++k) {
+    Slot& slot = p.slots[slot_of[c.arena_block[k]]];
     if (tail != 0) {
       slot.hole[v] = tail + c.packed.offsets[k];  // the arena's layout, from the tail on
     } else {

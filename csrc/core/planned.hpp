@@ -309,6 +309,40 @@ class PlannedAllocator : public Allocator {
   // Packs a variant; false (nothing set) if no packing fits in give_up bytes.
   using Ranges = std::vector<std::pair<std::uintptr_t, std::size_t>>;
   bool pack(Plan& p, int variant, std::size_t give_up, const Ranges& holes);
+  // One way pack() places a variant's blocks: some in holes (fill), the rest in the arena
+  // (packed; arena_block: their indices among the variant's blocks).
+  struct Candidate {
+    HoleFill fill;
+    PackResult packed;
+    std::vector<std::size_t> arena_block;
+    std::size_t hole_cost = 0;
+    std::size_t raw_arena = 0;  // packed.arena before rounding up to a page
+    std::size_t footprint() const { return packed.arena + hole_cost; }
+  };
+  // Recent packings and what they were computed from, by way of fill_holes' rules (and no
+  // holes): a plan made again from a pass alike (its blocks' sizes and order of allocations and
+  // frees the same), or packed again at a later arming against the same holes, asks for the
+  // same packings, each up to a second on plans of 10,000 blocks. A packing given up on at one
+  // level is known at any other above the bound's page (pack_blocks makes the same runs).
+  struct Try {
+    bool filled = false;    // c.fill, c.arena_block and c.hole_cost are set
+    bool packed = false;    // result is pack_blocks' at give-up level `level`
+    Candidate c;
+    PackResult result;
+    std::size_t level = 0;
+  };
+  struct Packed {
+    std::vector<PackBlock> blocks;  // in_order(): their times as ranks
+    Ranges holes;
+    std::uint64_t holes_key = 0;
+    std::vector<Try> tries;  // one per fill rule, then no holes
+  };
+  static constexpr std::size_t kPackedKept = 4;
+  std::vector<Packed> packed_;  // the most recent last
+  std::uint64_t packings_reused_ = 0;
+  std::vector<Candidate> candidates(const std::vector<PackBlock>& all, std::size_t period,
+                                    std::size_t give_up, const Ranges& holes, Packed& memo,
+                                    std::size_t* last_bound);
   // One packing variant of a plan (what pack() sets), to compare packings of a plan.
   struct Packing {
     std::vector<std::size_t> offset;
