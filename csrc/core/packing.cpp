@@ -4,10 +4,8 @@
 #include <functional>
 #include <limits>
 #include <numeric>
-#include <queue>
 #include <random>
 #include <stdexcept>
-#include <type_traits>
 #include <string>
 #include <utility>
 
@@ -16,133 +14,230 @@ namespace {
 
 constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
 
-// Range max over elementary time intervals, with a range raise to a value that is at least
-// every value in the range (a placed block's top is above the skyline under it). Bottom-up: a
-// raise tags the nodes covering the range and lifts the maxima on the two boundary paths; a
-// query takes the maxima of the covering nodes and the tags on the two boundary paths (every
-// covering node hangs off them).
-class MaxTree {
- public:
-  explicit MaxTree(std::size_t n) : n_(std::max<std::size_t>(n, 1)), mx_(2 * n_, 0), tag_(2 * n_, 0) {}
-  std::size_t query(std::size_t l, std::size_t r) const {
-    std::size_t out = 0;
-    for (std::size_t a = l + n_, b = r + n_; a < b; a >>= 1, b >>= 1) {
-      if (a & 1) out = std::max(out, mx_[a++]);
-      if (b & 1) out = std::max(out, mx_[--b]);
-    }
-    for (std::size_t k = (l + n_) >> 1; k > 0; k >>= 1) out = std::max(out, tag_[k]);
-    for (std::size_t k = (r - 1 + n_) >> 1; k > 0; k >>= 1) out = std::max(out, tag_[k]);
-    return out;
-  }
-  void raise(std::size_t l, std::size_t r, std::size_t v) {
-    for (std::size_t a = l + n_, b = r + n_; a < b; a >>= 1, b >>= 1) {
-      if (a & 1) {
-        mx_[a] = std::max(mx_[a], v);
-        tag_[a] = std::max(tag_[a], v);
-        ++a;
-      }
-      if (b & 1) {
-        --b;
-        mx_[b] = std::max(mx_[b], v);
-        tag_[b] = std::max(tag_[b], v);
-      }
-    }
-    for (std::size_t k = (l + n_) >> 1; k > 0; k >>= 1) mx_[k] = std::max(mx_[k], v);
-    for (std::size_t k = (r - 1 + n_) >> 1; k > 0; k >>= 1) mx_[k] = std::max(mx_[k], v);
-  }
-
- private:
-  std::size_t n_;
-  std::vector<std::size_t> mx_, tag_;  // mx_: max in the subtree; tag_: raise of the whole subtree
-};
-
 // A block's lifetime as at most two ranges of elementary intervals (it may wrap around).
 struct Spans {
   std::size_t lo[2] = {0, 0}, hi[2] = {0, 0};
   int n = 0;
 };
 
-// One skyline run: blocks in the order of the lazy queue (lowest key first, then `rank`).
-// Returns the arena; stops early once it reaches `limit` (it cannot beat the best then).
-// Queue entries are (key, rank) pairs, packed into one 64-bit word when keys in units of
-// `unit` (the gcd of the sizes: every key is a sum of sizes) fit 32 bits.
-// With a capacity, a block whose lowest offset would take it past the capacity is left out
-// (offset kNone): keys only rise, so it would never fit later.
-template <bool kPacked>
-std::size_t skyline(const std::vector<PackBlock>& blocks, const std::vector<Spans>& spans,
-                    std::size_t intervals, const std::vector<std::size_t>& order,
-                    std::vector<std::size_t>& offsets, std::size_t limit, std::size_t unit,
-                    std::size_t capacity = kNone) {
-  MaxTree sky(intervals);
-  auto key_of = [&](std::size_t i) {
-    std::size_t k = 0;
-    for (int s = 0; s < spans[i].n; ++s) k = std::max(k, sky.query(spans[i].lo[s], spans[i].hi[s]));
-    return k;
+// The skyline's keys, kept exact. A block's key (the lowest offset it can take, the highest
+// placed top over its lifetime) rises when a block placed over an overlapping time range tops
+// it. Lazily re-keying blocks as they come up (a priority queue) costs a re-key per block each
+// time the skyline rises under it before its turn: for lifetimes nested as deep as a model's
+// layers, work that grew as the square of the blocks (a 96-layer GPT-2's step: 24,753 blocks,
+// ~150 re-keys each). Here a block is the point (first interval, interval past its end) of a
+// 2-d tree, and placing a block raises, to its top, the keys of every point in a rectangle
+// (those overlapping it) at once, with the lowest (key, rank) of each subtree and the next
+// lowest key kept (Ji's "segment tree beats": a raise is tagged on a subtree where it lifts
+// only the lowest key, and goes down otherwise).
+class KeyTree {
+ public:
+  struct Point {
+    std::uint32_t x = 0, y = 0;  // the rectangle coordinates
+    std::uint32_t block = 0;
   };
-  using Entry = std::conditional_t<kPacked, std::uint64_t, std::pair<std::size_t, std::size_t>>;
-  auto make = [&](std::size_t key, std::size_t rank) -> Entry {
-    if constexpr (kPacked) {
-      return (static_cast<std::uint64_t>(key / unit) << 32) | rank;
-    } else {
-      return {key, rank};
+  explicit KeyTree(std::vector<Point> points) : points_(std::move(points)) {
+    if (!points_.empty()) {
+      nodes_.reserve(2 * points_.size());
+      build(0, points_.size());
     }
-  };
-  auto key_at = [&](const Entry& e) -> std::size_t {
-    if constexpr (kPacked) {
-      return static_cast<std::size_t>(e >> 32) * unit;
-    } else {
-      return e.first;
+  }
+  bool empty() const { return nodes_.empty() || nodes_[0].min1 == kNone; }
+  std::size_t min_key() const { return nodes_.empty() ? kNone : nodes_[0].min1; }
+  std::uint32_t min_rank() const { return nodes_.empty() ? kNoRank : nodes_[0].r1; }
+  // Every point alive, keyed 0, ranked by rank_of[block].
+  void reset(const std::vector<std::uint32_t>& rank_of) {
+    for (std::size_t v = nodes_.size(); v-- > 0;) {
+      Node& n = nodes_[v];
+      n.lz = 0;
+      if (n.left == kLeaf) {
+        n.min1 = 0;
+        n.min2 = kNone;
+        n.r1 = rank_of[points_[n.point].block];
+      } else {
+        pull(n);
+      }
     }
-  };
-  auto rank_at = [&](const Entry& e) -> std::size_t {
-    if constexpr (kPacked) {
-      return static_cast<std::size_t>(e & 0xffffffffu);
-    } else {
-      return e.second;
+  }
+  // Takes out the point with the lowest (key, rank); returns its block.
+  std::uint32_t take() {
+    path_.clear();
+    std::uint32_t v = 0;
+    while (nodes_[v].left != kLeaf) {
+      path_.push_back(v);
+      push(nodes_[v]);
+      const Node& l = nodes_[nodes_[v].left];
+      v = l.min1 == nodes_[v].min1 && l.r1 == nodes_[v].r1 ? nodes_[v].left : nodes_[v].right;
     }
+    Node& leaf = nodes_[v];
+    leaf.min1 = leaf.min2 = kNone;
+    leaf.r1 = kNoRank;
+    for (std::size_t k = path_.size(); k-- > 0;) pull(nodes_[path_[k]]);
+    return points_[leaf.point].block;
+  }
+  // Keys of the points with x0 <= x <= x1 and y0 <= y <= y1: at least `key`.
+  void raise(std::uint32_t x0, std::uint32_t x1, std::uint32_t y0, std::uint32_t y1, std::size_t key) {
+    if (!nodes_.empty() && x0 <= x1 && y0 <= y1) raise(0, x0, x1, y0, y1, key);
+  }
+
+ private:
+  static constexpr std::uint32_t kLeaf = std::numeric_limits<std::uint32_t>::max();
+  static constexpr std::uint32_t kNoRank = std::numeric_limits<std::uint32_t>::max();
+  struct Node {
+    std::uint32_t x0, x1, y0, y1;  // the bounding box of the subtree's points
+    std::uint32_t left, right, point;
+    std::uint32_t r1;             // the lowest rank among the points keyed min1
+    std::size_t min1, min2, lz;   // lowest key, next lowest distinct key, raise owed below
   };
-  std::vector<Entry> heap;
-  heap.reserve(order.size());
-  for (std::size_t r = 0; r < order.size(); ++r) heap.push_back(make(0, r));
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue(
-      std::greater<Entry>(), std::move(heap));
+  std::uint32_t build(std::size_t lo, std::size_t hi) {
+    const auto v = static_cast<std::uint32_t>(nodes_.size());
+    nodes_.push_back({});
+    Node n{};
+    n.x0 = n.y0 = std::numeric_limits<std::uint32_t>::max();
+    n.x1 = n.y1 = 0;
+    for (std::size_t i = lo; i < hi; ++i) {
+      n.x0 = std::min(n.x0, points_[i].x);
+      n.x1 = std::max(n.x1, points_[i].x);
+      n.y0 = std::min(n.y0, points_[i].y);
+      n.y1 = std::max(n.y1, points_[i].y);
+    }
+    if (hi - lo == 1) {
+      n.left = n.right = kLeaf;
+      n.point = static_cast<std::uint32_t>(lo);
+    } else {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      const bool by_x = n.x1 - n.x0 >= n.y1 - n.y0;  // split the wider side
+      std::nth_element(points_.begin() + static_cast<std::ptrdiff_t>(lo),
+                       points_.begin() + static_cast<std::ptrdiff_t>(mid),
+                       points_.begin() + static_cast<std::ptrdiff_t>(hi),
+                       [by_x](const Point& a, const Point& b) { return by_x ? a.x < b.x : a.y < b.y; });
+      n.left = build(lo, mid);
+      n.right = build(mid, hi);
+    }
+    nodes_[v] = n;
+    return v;
+  }
+  void pull(Node& n) {
+    const Node& l = nodes_[n.left];
+    const Node& r = nodes_[n.right];
+    if (l.min1 < r.min1) {
+      n.min1 = l.min1;
+      n.r1 = l.r1;
+      n.min2 = std::min(l.min2, r.min1);
+    } else if (r.min1 < l.min1) {
+      n.min1 = r.min1;
+      n.r1 = r.r1;
+      n.min2 = std::min(r.min2, l.min1);
+    } else {
+      n.min1 = l.min1;
+      n.r1 = std::min(l.r1, r.r1);
+      n.min2 = std::min(l.min2, r.min2);
+    }
+  }
+  // Raises the subtree's keys below `key` to it, where only its lowest key is below
+  // (key < min2): the order inside the subtree does not change.
+  static void tag(Node& n, std::size_t key) {
+    if (key <= n.min1) return;
+    n.min1 = key;
+    n.lz = std::max(n.lz, key);
+  }
+  void push(Node& n) {
+    if (n.lz == 0 || n.left == kLeaf) return;
+    tag(nodes_[n.left], n.lz);
+    tag(nodes_[n.right], n.lz);
+    n.lz = 0;
+  }
+  void raise(std::uint32_t v, std::uint32_t x0, std::uint32_t x1, std::uint32_t y0,
+             std::uint32_t y1, std::size_t key) {
+    Node& n = nodes_[v];
+    if (n.min1 >= key || n.x1 < x0 || n.x0 > x1 || n.y1 < y0 || n.y0 > y1) return;
+    const bool inside = x0 <= n.x0 && n.x1 <= x1 && y0 <= n.y0 && n.y1 <= y1;
+    if (n.left == kLeaf || (inside && key < n.min2)) {
+      tag(n, key);
+      return;
+    }
+    push(n);
+    raise(n.left, x0, x1, y0, y1, key);
+    raise(n.right, x0, x1, y0, y1, key);
+    pull(n);
+  }
+  std::vector<Point> points_;
+  std::vector<Node> nodes_;
+  std::vector<std::uint32_t> path_;
+};
+
+// The keys of a set of blocks: those whose lifetime is one range of intervals [x, y) are the
+// points (x, y) of one tree, and overlap [a, b) where x < b and y > a; those that wrap around
+// the circle ([x, end) and [0, y)) are the points (x, y) of another, and overlap [a, b) where
+// x < b or y > a (two rectangles: raising twice is raising once).
+class KeyIndex {
+ public:
+  explicit KeyIndex(const std::vector<Spans>& spans) : spans_(spans), plain_(points(spans, false)),
+                                                        wrapped_(points(spans, true)) {}
+  void reset(const std::vector<std::size_t>& order) {
+    rank_of_.assign(spans_.size(), 0);
+    for (std::size_t r = 0; r < order.size(); ++r) rank_of_[order[r]] = static_cast<std::uint32_t>(r);
+    plain_.reset(rank_of_);
+    wrapped_.reset(rank_of_);
+  }
+  bool empty() const { return plain_.empty() && wrapped_.empty(); }
+  // The block with the lowest key (ties: the lowest rank), taken out, and its key.
+  std::pair<std::size_t, std::size_t> take() {
+    const bool plain = std::make_pair(plain_.min_key(), plain_.min_rank()) <
+                       std::make_pair(wrapped_.min_key(), wrapped_.min_rank());
+    const std::size_t key = plain ? plain_.min_key() : wrapped_.min_key();
+    return {plain ? plain_.take() : wrapped_.take(), key};
+  }
+  std::size_t min_key() const { return std::min(plain_.min_key(), wrapped_.min_key()); }
+  // Block i placed with its top at `top`.
+  void raise(std::size_t i, std::size_t top) {
+    constexpr std::uint32_t kAll = std::numeric_limits<std::uint32_t>::max();
+    const Spans& s = spans_[i];
+    for (int k = 0; k < s.n; ++k) {
+      const auto a = static_cast<std::uint32_t>(s.lo[k]);
+      const auto b = static_cast<std::uint32_t>(s.hi[k]);
+      plain_.raise(0, b - 1, a + 1, kAll, top);
+      wrapped_.raise(0, b - 1, 0, kAll, top);
+      wrapped_.raise(0, kAll, a + 1, kAll, top);
+    }
+  }
+
+ private:
+  static std::vector<KeyTree::Point> points(const std::vector<Spans>& spans, bool wrapped) {
+    std::vector<KeyTree::Point> out;
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      if ((spans[i].n == 2) != wrapped) continue;
+      const Spans& s = spans[i];
+      out.push_back({static_cast<std::uint32_t>(s.lo[0]),
+                     static_cast<std::uint32_t>(wrapped ? s.hi[1] : s.hi[0]),
+                     static_cast<std::uint32_t>(i)});
+    }
+    return out;
+  }
+  const std::vector<Spans>& spans_;
+  KeyTree plain_, wrapped_;
+  std::vector<std::uint32_t> rank_of_;
+};
+
+// One skyline run: the blocks of `keys`, lowest key first (ties: the lowest rank in `order`),
+// each placed at its key. Returns the arena; stops early once it reaches `limit` (it cannot
+// beat the best then). With a capacity, a block whose lowest offset would take it past the
+// capacity is left out (offset kNone): keys only rise, so it would never fit later.
+std::size_t skyline_kd(const std::vector<PackBlock>& blocks, KeyIndex& keys,
+                       const std::vector<std::size_t>& order, std::vector<std::size_t>& offsets,
+                       std::size_t limit, std::size_t capacity = kNone) {
+  keys.reset(order);
   offsets.assign(blocks.size(), capacity == kNone ? 0 : kNone);
   std::size_t arena = 0;
-  // Keys only rise: a block found too high once (past the capacity, or reaching the limit)
-  // stays too high, and is settled at once rather than queued again.
-  auto too_high = [&](std::size_t key, std::size_t i) {
-    return key + blocks[i].size > capacity || key + blocks[i].size >= limit;
-  };
-  while (!queue.empty()) {
-    Entry e = queue.top();
-    queue.pop();
-    bool lowest = true;  // e is the lowest block left (false: found too high on the way)
-    for (;;) {
-      const std::size_t key = key_of(order[rank_at(e)]);
-      if (key == key_at(e)) break;
-      e = make(key, rank_at(e));
-      if (too_high(key, order[rank_at(e)])) {
-        lowest = false;
-        break;
-      }
-      // The skyline rose under it since it was queued. Still the lowest: place it at once.
-      if (queue.empty() || !(queue.top() < e)) break;
-      queue.push(e);
-      e = queue.top();
-      queue.pop();
-    }
-    const std::size_t i = order[rank_at(e)];
-    const std::size_t key = key_at(e);
-    if (lowest && capacity != kNone && key >= capacity) break;  // full: nothing else fits
-    if (too_high(key, i)) {
-      if (key + blocks[i].size >= limit) return key + blocks[i].size;  // this run cannot win
-      continue;  // past the capacity: left out
-    }
-    offsets[i] = key;
+  while (!keys.empty()) {
+    if (capacity != kNone && keys.min_key() >= capacity) break;  // full: nothing else fits
+    const auto [i, key] = keys.take();
     const std::size_t top = key + blocks[i].size;
-    for (int s = 0; s < spans[i].n; ++s) sky.raise(spans[i].lo[s], spans[i].hi[s], top);
+    if (top >= limit) return top;  // this run cannot win
+    if (top > capacity) continue;  // past the capacity: left out
+    offsets[i] = key;
+    keys.raise(i, top);
     arena = std::max(arena, top);
-    if (arena >= limit) return arena;
   }
   return arena;
 }
@@ -262,8 +357,7 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
     return r;
   }
   const Timeline tl(blocks, period);
-  const std::vector<Spans>& spans = tl.spans;
-  const std::size_t intervals = tl.intervals;
+  KeyIndex keys(tl.spans);
 
   // Tie rules: the largest size x lifetime first, the largest first, the longest-lived first
   // (the slowest: a long block placed raises the skyline under most others); then the same
@@ -274,14 +368,6 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
   const std::function<double(std::size_t)> rules[] = {area, size, life};
   granule = std::max<std::size_t>(granule, 1);
   const std::size_t good = (r.bound + granule - 1) / granule * granule;
-  // Keys are sums of sizes: multiples of their gcd.
-  std::size_t unit = 0, total = 0;
-  for (const PackBlock& b : blocks) {
-    unit = std::gcd(unit, b.size);
-    total += b.size;
-  }
-  unit = std::max<std::size_t>(unit, 1);
-  const bool packed = total / unit < (std::uint64_t{1} << 32) && n < (std::uint64_t{1} << 32);
   std::mt19937_64 rng(12345);
   std::uniform_real_distribution<double> noise(1.0, 1.3);
   std::vector<std::size_t> order(n), offsets;
@@ -297,9 +383,7 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
     });
     // A run stops once it cannot beat the best so far (or the caller's give_up level).
     const std::size_t stop = give_up != 0 && give_up < best ? give_up + 1 : best;
-    const std::size_t arena =
-        packed ? skyline<true>(blocks, spans, intervals, order, offsets, stop, unit)
-               : skyline<false>(blocks, spans, intervals, order, offsets, stop, unit);
+    const std::size_t arena = skyline_kd(blocks, keys, order, offsets, stop);
     ++r.runs;
     if (arena < stop) {  // a complete run (an early stop returns at least `stop`)
       best = arena;
@@ -317,79 +401,6 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
 
 namespace {
 
-// The blocks placed in one hole, by the stretches of time (buckets) their lifetimes cover: the
-// blocks whose lifetimes may overlap a block's are those in its buckets, so a query looks at
-// the blocks near it in time, not at all of them (plans of tens of thousands of blocks made
-// hole filling quadratic). Only the work depends on the bucket count, not the result.
-class PlacedIndex {
- public:
-  PlacedIndex(std::size_t period, std::size_t blocks)
-      : period_(std::max<std::size_t>(period, 1)),
-        width_((period_ + kBuckets - 1) / kBuckets),
-        buckets_((period_ + width_ - 1) / width_),
-        seen_(blocks, 0) {}
-
-  void add(std::size_t j, const PackBlock& b) {
-    for_each_bucket(b, [&](std::size_t k) { buckets_[k].push_back(j); });
-  }
-  // The blocks whose lifetimes cover time `t`, and others near it, in the order added.
-  const std::vector<std::size_t>& around(std::size_t t) const { return buckets_[(t % period_) / width_]; }
-  // The blocks sharing a bucket with `b`, each once.
-  const std::vector<std::size_t>& near(const PackBlock& b) {
-    ++stamp_;
-    out_.clear();
-    for_each_bucket(b, [&](std::size_t k) {
-      for (std::size_t j : buckets_[k]) {
-        if (seen_[j] != stamp_) {
-          seen_[j] = stamp_;
-          out_.push_back(j);
-        }
-      }
-    });
-    return out_;
-  }
-
- private:
-  static constexpr std::size_t kBuckets = 256;
-  template <class F>
-  void for_each_bucket(const PackBlock& b, F f) const {
-    if (b.life >= period_) {
-      for (std::size_t k = 0; k < buckets_.size(); ++k) f(k);
-      return;
-    }
-    const std::size_t first = b.start / width_;
-    const std::size_t last = ((b.start + b.life - 1) % period_) / width_;
-    for (std::size_t k = first;; k = (k + 1) % buckets_.size()) {
-      f(k);
-      if (k == last) break;
-    }
-  }
-  std::size_t period_, width_;
-  std::vector<std::vector<std::size_t>> buckets_;
-  std::vector<std::uint32_t> seen_;
-  std::uint32_t stamp_ = 0;
-  std::vector<std::size_t> out_;
-};
-
-// The lowest offset of hole `h` where `b` fits under `capacity`, clear of the blocks already
-// there (`placed`) whose lifetimes overlap its own; kNone if there is none.
-std::size_t lowest_fit(const std::vector<PackBlock>& blocks, std::size_t period, const PackBlock& b,
-                       PlacedIndex& placed, const std::vector<std::size_t>& offset,
-                       std::size_t capacity, std::vector<std::pair<std::size_t, std::size_t>>& taken) {
-  if (b.size > capacity) return kNone;
-  taken.clear();
-  for (std::size_t j : placed.near(b)) {
-    if (lifetimes_overlap(b, blocks[j], period)) taken.emplace_back(offset[j], offset[j] + blocks[j].size);
-  }
-  std::sort(taken.begin(), taken.end());
-  std::size_t at = 0;
-  for (const auto& [lo, hi] : taken) {
-    if (lo >= at + b.size) break;
-    at = std::max(at, hi);
-  }
-  return at + b.size <= capacity ? at : kNone;
-}
-
 // Live bytes per time step under range additions, with their maximum and where it is: the
 // arena's profile as blocks move out of it, in O(log period) a move.
 class AddMaxTree {
@@ -403,6 +414,7 @@ class AddMaxTree {
   }
   void add(std::size_t l, std::size_t r, long long d) { add(1, 0, n_, l, r, d); }
   long long max() const { return mx_[1]; }
+  long long max(std::size_t l, std::size_t r) const { return max(1, 0, n_, l, r); }
   std::size_t argmax() const {
     std::size_t k = 1;
     while (k < n_) k = mx_[2 * k] == mx_[k] - add_[k] ? 2 * k : 2 * k + 1;
@@ -411,6 +423,12 @@ class AddMaxTree {
 
  private:
   static constexpr long long kFloor = std::numeric_limits<long long>::min() / 4;  // padding
+  long long max(std::size_t k, std::size_t lo, std::size_t hi, std::size_t l, std::size_t r) const {
+    if (r <= lo || hi <= l) return kFloor;
+    if (l <= lo && hi <= r) return mx_[k];
+    const std::size_t mid = (lo + hi) / 2;
+    return std::max(max(2 * k, lo, mid, l, r), max(2 * k + 1, mid, hi, l, r)) + add_[k];
+  }
   void add(std::size_t k, std::size_t lo, std::size_t hi, std::size_t l, std::size_t r, long long d) {
     if (r <= lo || hi <= l) return;
     if (l <= lo && hi <= r) {
@@ -426,6 +444,131 @@ class AddMaxTree {
   std::size_t n_ = 1;
   std::vector<long long> mx_, add_;  // mx_: max of the subtree, its own add_ included
 };
+
+// The blocks placed in one hole, by the stretches of time (buckets) their lifetimes cover: the
+// blocks whose lifetimes may overlap a block's are those in its buckets, so a query looks at
+// the blocks near it in time, not at all of them (plans of tens of thousands of blocks made
+// hole filling quadratic). Only the work depends on the bucket count, not the result.
+class PlacedIndex {
+ public:
+  PlacedIndex(std::size_t period, std::size_t blocks)
+      : period_(std::max<std::size_t>(period, 1)),
+        width_((period_ + kBuckets - 1) / kBuckets),
+        buckets_((period_ + width_ - 1) / width_),
+        starts_(buckets_.size()),
+        covered_(std::vector<long long>(buckets_.size(), 0)),
+        seen_(blocks, 0) {}
+
+  void add(std::size_t j, const PackBlock& b) {
+    for_each_bucket(b, [&](std::size_t k) { buckets_[k].push_back(j); });
+    starts_[bucket(b.start)].push_back(j);
+    for_whole_buckets(b, [&](std::size_t lo, std::size_t hi) {
+      covered_.add(lo, hi, static_cast<long long>(b.size));
+    });
+  }
+  // Whether the blocks placed cover every offset but fewer than `size` bytes of `capacity`
+  // throughout a bucket that b's lifetime spans whole: then b fits nowhere. It only saves
+  // gathering the blocks near a long-lived b (a plan of 25,000 blocks, 46 holes: half the
+  // packer's time went to holes where it could not fit).
+  bool surely_full(const PackBlock& b, std::size_t capacity) const {
+    bool full = false;
+    for_whole_buckets(b, [&](std::size_t lo, std::size_t hi) {
+      full = full || covered_.max(lo, hi) + static_cast<long long>(b.size) > static_cast<long long>(capacity);
+    });
+    return full;
+  }
+  // The blocks whose lifetimes cover time `t`, and others near it, in the order added.
+  const std::vector<std::size_t>& around(std::size_t t) const { return buckets_[bucket(t)]; }
+  // Blocks whose lifetimes may overlap that of `b`, each once: a block overlaps it if it is
+  // alive when b starts (so it covers that bucket) or starts while b is alive (in one of b's
+  // buckets). Not every block sharing a bucket with b: a long-lived block is listed in every
+  // bucket it covers, and was gathered once per bucket (most of the packer's time on a plan
+  // of 25,000 blocks).
+  const std::vector<std::size_t>& near(const PackBlock& b) {
+    ++stamp_;
+    out_.clear();
+    auto take = [&](std::size_t j) {
+      if (seen_[j] != stamp_) {
+        seen_[j] = stamp_;
+        out_.push_back(j);
+      }
+    };
+    for (std::size_t j : buckets_[bucket(b.start)]) take(j);
+    for_each_bucket(b, [&](std::size_t k) {
+      for (std::size_t j : starts_[k]) take(j);
+    });
+    return out_;
+  }
+
+ private:
+  static constexpr std::size_t kBuckets = 256;
+  std::size_t bucket(std::size_t t) const { return (t % period_) / width_; }
+  // Calls f(lo, hi) for the ranges of buckets that b's lifetime spans whole.
+  template <class F>
+  void for_whole_buckets(const PackBlock& b, F f) const {
+    const std::size_t n = buckets_.size();
+    if (b.life >= period_) {
+      f(0, n);
+      return;
+    }
+    auto piece = [&](std::size_t from, std::size_t to) {  // times [from, to), to <= period_
+      const std::size_t lo = (from + width_ - 1) / width_;
+      const std::size_t hi = to == period_ ? n : to / width_;
+      if (lo < hi) f(lo, hi);
+    };
+    const std::size_t end = b.start + b.life;
+    if (end <= period_) {
+      piece(b.start, end);
+    } else {
+      piece(b.start, period_);
+      piece(0, end - period_);
+    }
+  }
+  template <class F>
+  void for_each_bucket(const PackBlock& b, F f) const {
+    if (b.life >= period_) {
+      for (std::size_t k = 0; k < buckets_.size(); ++k) f(k);
+      return;
+    }
+    const std::size_t n = buckets_.size();
+    const std::size_t first = b.start / width_;
+    const std::size_t end = b.start + b.life - 1;  // its last step, past the period if it wraps
+    if (end < period_) {
+      for (std::size_t k = first; k <= end / width_; ++k) f(k);
+      return;
+    }
+    // Wrapping around, it may end in its first bucket or past it: then it touches them all.
+    const std::size_t last = (end - period_) / width_;
+    for (std::size_t k = last >= first ? 0 : first; k < n; ++k) f(k);
+    for (std::size_t k = 0; k <= last && last < first; ++k) f(k);
+  }
+  std::size_t period_, width_;
+  std::vector<std::vector<std::size_t>> buckets_;  // the blocks alive in each stretch
+  std::vector<std::vector<std::size_t>> starts_;   // the blocks starting in each
+  AddMaxTree covered_;  // bytes of the blocks alive throughout each
+  std::vector<std::uint32_t> seen_;
+  std::uint32_t stamp_ = 0;
+  std::vector<std::size_t> out_;
+};
+
+// The lowest offset of hole `h` where `b` fits under `capacity`, clear of the blocks already
+// there (`placed`) whose lifetimes overlap its own; kNone if there is none.
+std::size_t lowest_fit(const std::vector<PackBlock>& blocks, std::size_t period, const PackBlock& b,
+                       PlacedIndex& placed, const std::vector<std::size_t>& offset,
+                       std::size_t capacity, std::vector<std::pair<std::size_t, std::size_t>>& taken) {
+  if (b.size > capacity || placed.surely_full(b, capacity)) return kNone;
+  taken.clear();
+  for (std::size_t j : placed.near(b)) {
+    if (lifetimes_overlap(b, blocks[j], period)) taken.emplace_back(offset[j], offset[j] + blocks[j].size);
+  }
+  std::sort(taken.begin(), taken.end());
+  std::size_t at = 0;
+  for (const auto& [lo, hi] : taken) {
+    if (lo >= at + b.size) break;
+    at = std::max(at, hi);
+  }
+  return at + b.size <= capacity ? at : kNone;
+}
 
 void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
                 const std::vector<std::size_t>& hole_sizes, const HoleCost& cost, HoleFill& r) {
@@ -502,18 +645,14 @@ void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
   for (std::size_t h : holes) {
     std::vector<PackBlock> sub;
     std::vector<std::size_t> of;
-    std::size_t unit = 0, total = 0;
     for (std::size_t i : left) {
       if (blocks[i].size == 0 || blocks[i].size > hole_sizes[h]) continue;
       sub.push_back(blocks[i]);
       of.push_back(i);
-      unit = std::gcd(unit, blocks[i].size);
-      total += blocks[i].size;
     }
     if (sub.empty()) continue;
-    unit = std::max<std::size_t>(unit, 1);
-    const bool packed = total / unit < (std::uint64_t{1} << 32) && sub.size() < (std::uint64_t{1} << 32);
     const Timeline tl(sub, period);
+    KeyIndex keys(tl.spans);
     auto life = [&](std::size_t i) { return static_cast<double>(sub[i].life); };
     auto size = [&](std::size_t i) { return static_cast<double>(sub[i].size); };
     auto area = [&](std::size_t i) { return life(i) * size(i); };
@@ -527,11 +666,7 @@ void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
         if (wa != wb) return wa > wb;
         return sub[a].size > sub[b].size;
       });
-      if (packed) {
-        skyline<true>(sub, tl.spans, tl.intervals, order, offsets, kNone, unit, hole_sizes[h]);
-      } else {
-        skyline<false>(sub, tl.spans, tl.intervals, order, offsets, kNone, unit, hole_sizes[h]);
-      }
+      skyline_kd(sub, keys, order, offsets, kNone, hole_sizes[h]);
       double placed = 0.0;
       for (std::size_t k = 0; k < sub.size(); ++k) placed += offsets[k] != kNone ? area(k) : 0.0;
       if (placed > best_area) {

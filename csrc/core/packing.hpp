@@ -6,8 +6,11 @@
 // can go lowest (ties: the longest-lived, or the largest, or the largest size x lifetime) on top
 // of what is placed over its lifetime, and raises the skyline there. Placements then come in
 // non-decreasing offsets, so above the current level each time step holds one contiguous
-// occupied range and the lowest feasible offset of a block is the maximum of the skyline over its
-// lifetime: a segment tree (range max, range raise) over the period finds it in O(log period).
+// occupied range and the lowest feasible offset of a block (its key) is the maximum of the
+// skyline over its lifetime. Keys are kept exact in a 2-d tree of the blocks' lifetimes: a
+// placement raises the keys of all the blocks it overlaps at once (O(sqrt n) nodes, amortized),
+// so a run costs O(n sqrt n) where re-keying blocks one by one as they came up grew as n^2
+// where lifetimes nest deeply (benchmarks/plan_scaling.py).
 // Each tie rule gives one packing; then `search_rounds` more runs with randomly perturbed ties
 // (seeded: the result is deterministic); the best is kept, and the search stops at the bound
 // (rounded up to the page granularity the arena is mapped with).

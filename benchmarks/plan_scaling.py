@@ -1,0 +1,156 @@
+"""How the cost of computing plans grows with the number of blocks a training step allocates.
+
+pymemplan-planned computes a plan when it arms (packing the step's blocks six ways, with the
+pool's holes filled by each rule and without). That is a one-off per step shape, paid inside the
+allocation that starts the pass, so it must stay small on deep models. This benchmark records
+narrow GPT-2 models of growing depth on CPU (width 64: the blocks are many and small, as in
+the deepest real models per byte), four AdamW steps each, and replays them:
+
+    python benchmarks/plan_scaling.py                 # layers 6, 12, 24, 48, 96
+    python benchmarks/plan_scaling.py --layers 12,48  # a subset
+
+Per model: the blocks of the last plan, planning seconds over the run (and packings reused
+instead of computed again), one pack_blocks call on the plan's blocks alone, and the replay's
+ns per event for pymemplan-planned against pymemplan-vmm (same trace, same process). Traces
+are cached in benchmarks/traces/ (deep_gpt2_<layers>.csv.gz). Writes
+benchmarks/results/plan_scaling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRACE_DIR = HERE / "traces"
+RESULT = HERE / "results" / "plan_scaling.json"
+PAGE = 2 << 20
+
+
+def record_deep_gpt2(layers: int, path: Path, rerecord: bool = False):
+    from pymemplan.traces import read_trace, record, write_csv
+
+    if rerecord or not path.exists():
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=2000, n_positions=128, n_embd=64,
+                                         n_layer=layers, n_head=2, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+        opt = torch.optim.AdamW(model.parameters(), 1e-4)
+        with record() as rec:
+            for _ in range(4):
+                ids = torch.randint(0, 2000, (2, 64))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        TRACE_DIR.mkdir(exist_ok=True)
+        write_csv(rec.trace, path)
+    trace = read_trace(path)
+    trace.name = path.name.split(".")[0]
+    return trace
+
+
+def plan_figures(trace):
+    """Drives pymemplan-planned over the trace; returns its plan statistics and the blocks of
+    its last plan."""
+    from pymemplan import _core
+
+    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), "pymemplan-planned", "")
+    live = {}
+    for a, p, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+                           trace.stream.tolist()):
+        if a == 0:
+            live[p] = alloc.malloc(n, st)
+        elif a == 1:
+            alloc.free(live.pop(p))
+    return alloc.plan_stats(), alloc.plan_blocks()
+
+
+def measure(trace) -> dict:
+    from pymemplan import _core
+    from pymemplan.traces.replay import replay
+
+    planned, vmm = replay(trace, ["pymemplan-planned", "pymemplan-vmm"], capacity="1TiB")
+    stats, blocks = plan_figures(trace)
+    t0 = time.perf_counter()
+    packed = _core.pack_blocks(blocks["start"], blocks["life"], blocks["size"], blocks["period"],
+                               2, PAGE, 0)
+    pack_s = time.perf_counter() - t0
+    return {
+        "trace": trace.name,
+        "events": len(trace),
+        "plan_blocks": len(blocks["size"]),
+        "plan_period_events": blocks["period"],
+        "plans_built": int(stats["plans_built"]),
+        "arms": int(stats["arms"]),
+        "remakes": int(stats["remakes"]),
+        "packings_reused": int(stats["packings_reused"]),
+        "planning_seconds": stats["pack_seconds"],
+        "pack_blocks_seconds": pack_s,
+        "pack_blocks_ratio": packed["ratio"],
+        "ns_per_event_planned": planned.ns_per_event,
+        "ns_per_event_vmm": vmm.ns_per_event,
+        "planned_over_vmm_time": planned.ns_per_event / vmm.ns_per_event,
+        "peak_live_bytes": planned.peak_live_bytes,
+        "planned_steady_reserved_over_live": planned.steady_reserved_over_live,
+        "vmm_reserved_over_live": vmm.reserved_over_live,
+    }
+
+
+def growth(rows, key):
+    """The exponent x in key ~ blocks^x between the smallest and the largest model."""
+    a, b = rows[0], rows[-1]
+    if len(rows) < 2 or a[key] <= 0 or b[key] <= 0 or a["plan_blocks"] == b["plan_blocks"]:
+        return None
+    return math.log(b[key] / a[key]) / math.log(b["plan_blocks"] / a["plan_blocks"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default="6,12,24,48,96",
+                    help="comma-separated depths of the narrow GPT-2 models (default %(default)s)")
+    ap.add_argument("--rerecord", action="store_true", help="record the traces again")
+    ap.add_argument("--out", default=str(RESULT), help="JSON output (default %(default)s)")
+    args = ap.parse_args()
+    try:
+        depths = sorted({int(x) for x in args.layers.split(",")})
+    except ValueError:
+        ap.error(f"--layers takes comma-separated whole numbers, got {args.layers!r}")
+    if not depths or depths[0] < 1:
+        ap.error("--layers: each depth must be at least 1")
+    rows = []
+    print(f"{'layers':>6} {'events':>8} {'blocks':>7} {'planning s':>10} {'reused':>6} "
+          f"{'pack_blocks s':>13} {'planned/vmm time':>16}")
+    for layers in depths:
+        trace = record_deep_gpt2(layers, TRACE_DIR / f"deep_gpt2_{layers}.csv.gz", args.rerecord)
+        row = {"layers": layers, **measure(trace)}
+        rows.append(row)
+        print(f"{layers:>6} {row['events']:>8,} {row['plan_blocks']:>7,} "
+              f"{row['planning_seconds']:>10.3f} {row['packings_reused']:>6} "
+              f"{row['pack_blocks_seconds']:>13.3f} {row['planned_over_vmm_time']:>16.1f}",
+              flush=True)
+    summary = {"planning_seconds_growth_exponent": growth(rows, "planning_seconds"),
+               "pack_blocks_growth_exponent": growth(rows, "pack_blocks_seconds")}
+    print("planning time grows as blocks^{:.2f}, one pack_blocks call as blocks^{:.2f}".format(
+        summary["planning_seconds_growth_exponent"] or float("nan"),
+        summary["pack_blocks_growth_exponent"] or float("nan")))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "command": " ".join(["python", "benchmarks/plan_scaling.py", *sys.argv[1:]]),
+        "machine": {"python": platform.python_version(), "processor": platform.processor(),
+                    "system": platform.platform()},
+        "results": rows, "summary": summary}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
