@@ -8,6 +8,11 @@ the deepest real models per byte), four AdamW steps each, and replays them:
 
     python benchmarks/plan_scaling.py                 # layers 6, 12, 24, 48, 96
     python benchmarks/plan_scaling.py --layers 12,48  # a subset
+    python benchmarks/plan_scaling.py --baseline-core OLD/_core.cpython-311-x86_64-linux-gnu.so
+
+With --baseline-core, the same traces are replayed in a second process through another build
+of the core (an earlier commit's, say), and each row gains its planning seconds and peak
+reserved bytes beside ours.
 
 Per model: the blocks of the last plan, planning seconds over the run (and packings reused
 instead of computed again), one pack_blocks call on the plan's blocks alone, and the replay's
@@ -19,10 +24,13 @@ benchmarks/results/plan_scaling.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,11 +81,21 @@ def plan_figures(trace):
     return alloc.plan_stats(), alloc.plan_blocks()
 
 
+def replay_planned(trace) -> dict:
+    """pymemplan-planned over the trace in the core's replay loop (1 TiB device, 2 MiB pages)."""
+    from pymemplan import _core
+    from pymemplan.traces.replay import parse_policy
+
+    return _core.replay(trace.action, trace.ptr, trace.size, trace.stream,
+                        *parse_policy("pymemplan-planned"), 1 << 40, PAGE)
+
+
 def measure(trace) -> dict:
     from pymemplan import _core
     from pymemplan.traces.replay import replay
 
     planned, vmm = replay(trace, ["pymemplan-planned", "pymemplan-vmm"], capacity="1TiB")
+    planning = replay_planned(trace)["planning_seconds"]
     stats, blocks = plan_figures(trace)
     t0 = time.perf_counter()
     packed = _core.pack_blocks(blocks["start"], blocks["life"], blocks["size"], blocks["period"],
@@ -92,7 +110,7 @@ def measure(trace) -> dict:
         "arms": int(stats["arms"]),
         "remakes": int(stats["remakes"]),
         "packings_reused": int(stats["packings_reused"]),
-        "planning_seconds": stats["pack_seconds"],
+        "planning_seconds": planning,
         "pack_blocks_seconds": pack_s,
         "pack_blocks_ratio": packed["ratio"],
         "ns_per_event_planned": planned.ns_per_event,
@@ -112,35 +130,88 @@ def growth(rows, key):
     return math.log(b[key] / a[key]) / math.log(b["plan_blocks"] / a["plan_blocks"])
 
 
+def use_core(path: str) -> None:
+    """Makes `import pymemplan._core` load the build at `path` (before pymemplan is imported)."""
+    spec = importlib.util.spec_from_file_location("pymemplan._core", path)
+    if spec is None or not Path(path).is_file():
+        raise SystemExit(f"--core: {path} is not a built _core module (a .so file)")
+    core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core)
+    sys.modules["pymemplan._core"] = core
+
+
+def baseline(core: str, depths) -> dict:
+    """Planning seconds and peak reserved bytes per depth, replayed through another build of the
+    core in a process of its own (two builds cannot share one)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "baseline.json"
+        subprocess.run([sys.executable, __file__, "--core", core, "--replay-only",
+                        "--layers", ",".join(map(str, depths)), "--out", str(out)], check=True)
+        return {r["layers"]: r for r in json.loads(out.read_text())["results"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="6,12,24,48,96",
                     help="comma-separated depths of the narrow GPT-2 models (default %(default)s)")
     ap.add_argument("--rerecord", action="store_true", help="record the traces again")
     ap.add_argument("--out", default=str(RESULT), help="JSON output (default %(default)s)")
+    ap.add_argument("--baseline-core", default=None,
+                    help="another build of pymemplan's _core module to compare with")
+    ap.add_argument("--core", default=None, help=argparse.SUPPRESS)  # used by --baseline-core
+    ap.add_argument("--replay-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.baseline_core and not Path(args.baseline_core).is_file():
+        ap.error(f"--baseline-core: no file {args.baseline_core} (give the path of a built "
+                 "_core module, e.g. build/<tag>/_core.cpython-311-x86_64-linux-gnu.so of an "
+                 "earlier commit)")
+    if args.core:
+        use_core(args.core)
     try:
         depths = sorted({int(x) for x in args.layers.split(",")})
     except ValueError:
         ap.error(f"--layers takes comma-separated whole numbers, got {args.layers!r}")
     if not depths or depths[0] < 1:
         ap.error("--layers: each depth must be at least 1")
+    if args.replay_only:  # the baseline's process: planning seconds and peak reserved only
+        rows = []
+        for layers in depths:
+            r = replay_planned(record_deep_gpt2(layers, TRACE_DIR / f"deep_gpt2_{layers}.csv.gz"))
+            rows.append({"layers": layers, "planning_seconds": r["planning_seconds"],
+                         "peak_reserved_bytes": r["peak_reserved_bytes"]})
+        Path(args.out).write_text(json.dumps({"results": rows}))
+        return 0
+    for layers in depths:  # recorded here first (the baseline's process reads them)
+        record_deep_gpt2(layers, TRACE_DIR / f"deep_gpt2_{layers}.csv.gz", args.rerecord)
+    base = baseline(args.baseline_core, depths) if args.baseline_core else None
     rows = []
     print(f"{'layers':>6} {'events':>8} {'blocks':>7} {'planning s':>10} {'reused':>6} "
-          f"{'pack_blocks s':>13} {'planned/vmm time':>16}")
+          f"{'pack_blocks s':>13} {'planned/vmm time':>16}" + (" baseline s" if base else ""))
     for layers in depths:
-        trace = record_deep_gpt2(layers, TRACE_DIR / f"deep_gpt2_{layers}.csv.gz", args.rerecord)
+        trace = record_deep_gpt2(layers, TRACE_DIR / f"deep_gpt2_{layers}.csv.gz")
         row = {"layers": layers, **measure(trace)}
+        if base:
+            row["baseline_planning_seconds"] = base[layers]["planning_seconds"]
+            row["baseline_peak_reserved_bytes"] = base[layers]["peak_reserved_bytes"]
+            row["baseline_over_ours_planning"] = (base[layers]["planning_seconds"] /
+                                                  max(row["planning_seconds"], 1e-9))
         rows.append(row)
         print(f"{layers:>6} {row['events']:>8,} {row['plan_blocks']:>7,} "
               f"{row['planning_seconds']:>10.3f} {row['packings_reused']:>6} "
-              f"{row['pack_blocks_seconds']:>13.3f} {row['planned_over_vmm_time']:>16.1f}",
-              flush=True)
+              f"{row['pack_blocks_seconds']:>13.3f} {row['planned_over_vmm_time']:>16.1f}"
+              + (f" {row['baseline_planning_seconds']:>12.3f}" if base else ""), flush=True)
     summary = {"planning_seconds_growth_exponent": growth(rows, "planning_seconds"),
+               "baseline_core": args.baseline_core,
+               "baseline_planning_seconds_growth_exponent":
+                   growth(rows, "baseline_planning_seconds") if base else None,
                "pack_blocks_growth_exponent": growth(rows, "pack_blocks_seconds")}
     print("planning time grows as blocks^{:.2f}, one pack_blocks call as blocks^{:.2f}".format(
         summary["planning_seconds_growth_exponent"] or float("nan"),
         summary["pack_blocks_growth_exponent"] or float("nan")))
+    if base:
+        print("the baseline's planning time grows as blocks^{:.2f}; ours is {:.1f}x faster on "
+              "the deepest".format(summary["baseline_planning_seconds_growth_exponent"] or float("nan"),
+                                   rows[-1]["baseline_over_ours_planning"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

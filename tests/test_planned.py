@@ -1670,3 +1670,20 @@ def test_pages_over_a_target_counts_the_pages_a_peak_must_lose():
     assert alloc_replay.pages_over(62 * MiB, int(59.9 * MiB), 1.01) == 1
     assert alloc_replay.pages_over(90 * MiB, 100 * MiB, 1.03) == 0
     assert alloc_replay.pages_over(2 * MiB, 0, 1.03) is None
+
+
+def test_the_planning_scaling_benchmark_measures_a_recorded_deep_model(tmp_path, monkeypatch):
+    """benchmarks/plan_scaling.py on a 2-layer model: a plan is made and armed, its blocks
+    counted, the planning time measured, and the steady state no worse than the pool alone."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import plan_scaling
+
+    monkeypatch.setattr(plan_scaling, "TRACE_DIR", tmp_path)
+    trace = plan_scaling.record_deep_gpt2(2, tmp_path / "deep_gpt2_2.csv.gz")
+    row = plan_scaling.measure(trace)
+    assert row["plan_blocks"] > 100 and row["arms"] >= 1 and row["planning_seconds"] > 0
+    assert row["pack_blocks_ratio"] >= 1.0
+    assert row["planned_steady_reserved_over_live"] <= row["vmm_reserved_over_live"]
+    rows = [{"plan_blocks": 1000, "t": 0.5}, {"plan_blocks": 4000, "t": 8.0}]
+    assert plan_scaling.growth(rows, "t") == pytest.approx(2.0)
+
