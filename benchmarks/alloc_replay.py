@@ -867,13 +867,12 @@ def oom_capacity(trace, policy, lo, hi, granularity=PAGE):
     return lo
 
 
-def plan_figures(trace):
-    """pymemplan-planned's own figures on a trace: requests served from a plan (plan_hits) and
-    by the pool (fallbacks), plans made and armed, the packing of the last plan."""
+def drive_planned(trace):
+    """A pymemplan-planned allocator (80 GiB simulated device) after serving the whole trace,
+    for its own figures (plan_stats(), plan_blocks())."""
     from pymemplan import _core
 
-    dev = _core.SimulatedDevice(80 << 30)
-    alloc = _core.Allocator(dev, "pymemplan-planned", "")
+    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), "pymemplan-planned", "")
     live = {}
     for a, p, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
                            trace.stream.tolist()):
@@ -881,6 +880,13 @@ def plan_figures(trace):
             live[p] = alloc.malloc(n, st)
         elif a == 1:
             alloc.free(live.pop(p))
+    return alloc
+
+
+def plan_figures(trace):
+    """pymemplan-planned's own figures on a trace: requests served from a plan (plan_hits) and
+    by the pool (fallbacks), plans made and armed, the packing of the last plan."""
+    alloc = drive_planned(trace)
     keys = ("plan_hits", "hole_hits", "fallbacks", "slot_busy", "divergences", "plans_built", "arms",
             "plan_hole_bytes", "plan_hole_cost_bytes",
             "arm_refusals", "refinements", "remakes", "full_rearms", "busy_arenas_retired",

@@ -66,18 +66,10 @@ def record_deep_gpt2(layers: int, path: Path, rerecord: bool = False):
 
 
 def plan_figures(trace):
-    """Drives pymemplan-planned over the trace; returns its plan statistics and the blocks of
-    its last plan."""
-    from pymemplan import _core
+    """pymemplan-planned's plan statistics after the trace, and the blocks of its last plan."""
+    from alloc_replay import drive_planned
 
-    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), "pymemplan-planned", "")
-    live = {}
-    for a, p, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
-                           trace.stream.tolist()):
-        if a == 0:
-            live[p] = alloc.malloc(n, st)
-        elif a == 1:
-            alloc.free(live.pop(p))
+    alloc = drive_planned(trace)
     return alloc.plan_stats(), alloc.plan_blocks()
 
 

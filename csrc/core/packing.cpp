@@ -325,6 +325,19 @@ std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period)
   return static_cast<std::size_t>(peak);
 }
 
+std::vector<PackBlock> in_time_order(const std::vector<PackBlock>& blocks, std::size_t period) {
+  check_blocks(blocks, period, "in_time_order");
+  const Timeline tl(blocks, period);
+  std::vector<PackBlock> out;
+  out.reserve(blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const Spans& s = tl.spans[i];
+    const std::size_t life = s.n == 2 ? tl.intervals - s.lo[0] + s.hi[1] : s.hi[0] - s.lo[0];
+    out.push_back({s.lo[0], life, blocks[i].size});
+  }
+  return out;
+}
+
 std::vector<long long> live_profile(const std::vector<PackBlock>& blocks, std::size_t period) {
   std::vector<long long> delta(period + 1, 0);
   for (const PackBlock& b : blocks) {

@@ -57,6 +57,11 @@ bool lifetimes_overlap(const PackBlock& a, const PackBlock& b, std::size_t perio
 std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period);
 // The sum of the sizes of the alive blocks at each time step 0 .. period - 1.
 std::vector<long long> live_profile(const std::vector<PackBlock>& blocks, std::size_t period);
+// The blocks with their times replaced by ranks among the distinct start and end times (and
+// the period by their count): what decides which blocks overlap in time. Two block sets equal
+// in this form (a plan made again from a pass with other requests between the same ones) have
+// the same conflicts and sizes: a packing of one is a valid packing of the other.
+std::vector<PackBlock> in_time_order(const std::vector<PackBlock>& blocks, std::size_t period);
 // Offsets for `blocks` (sizes should be multiples of the alignment the caller wants: offsets
 // are sums of sizes). `search_rounds` randomized runs follow the three deterministic ones; the
 // search stops once the arena is within `granule` of the bound (rounded up to it, both take

@@ -66,30 +66,6 @@ std::uint64_t pow_base(std::uint64_t e) {
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 
-// The blocks with each time replaced by its rank among the distinct start and end times: what
-// decides which blocks overlap in time. Blocks equal in this form (a plan made again from a
-// pass with other requests between the same ones) have the same conflicts and sizes: a
-// packing of one is a valid packing of the other, with the same arena.
-std::vector<PackBlock> in_order(const std::vector<PackBlock>& blocks, std::size_t period) {
-  std::vector<std::size_t> cuts = {0};
-  for (const PackBlock& b : blocks) {
-    cuts.push_back(b.start);
-    cuts.push_back((b.start + b.life) % period);
-  }
-  std::sort(cuts.begin(), cuts.end());
-  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-  auto rank = [&](std::size_t t) {
-    return static_cast<std::size_t>(std::lower_bound(cuts.begin(), cuts.end(), t) - cuts.begin());
-  };
-  std::vector<PackBlock> out;
-  out.reserve(blocks.size());
-  for (const PackBlock& b : blocks) {
-    const std::size_t s = rank(b.start), e = rank((b.start + b.life) % period);
-    const std::size_t life = b.life == period ? cuts.size() : (e + cuts.size() - s) % cuts.size();
-    out.push_back({s, life, b.size});
-  }
-  return out;
-}
 
 std::string trim(const std::string& s) {
   std::size_t b = 0, e = s.size();
@@ -1020,7 +996,7 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& h
   std::vector<std::size_t> slot_of;
   const std::vector<PackBlock> all = variant_blocks(p, v, &slot_of);
   const std::uint64_t key = holes_key(holes);
-  const std::vector<PackBlock> order = in_order(all, p.period);
+  const std::vector<PackBlock> order = in_time_order(all, p.period);
   auto same = [&](const Packed& m) {
     return m.holes_key == key && m.holes == holes &&
            std::equal(m.blocks.begin(), m.blocks.end(), order.begin(), order.end(),

@@ -332,7 +332,7 @@ class PlannedAllocator : public Allocator {
     std::size_t level = 0;
   };
   struct Packed {
-    std::vector<PackBlock> blocks;  // in_order(): their times as ranks
+    std::vector<PackBlock> blocks;  // in_time_order()
     Ranges holes;
     std::uint64_t holes_key = 0;
     std::vector<Try> tries;  // one per fill rule, then no holes
