@@ -329,6 +329,26 @@ def test_the_skyline_places_each_block_where_the_plain_rule_does(blocks, hole):
     assert [o for o, h in zip(got["offset"], got["hole"]) if h == 0] == [o for o in best if o is not None]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_skyline_places_larger_random_sets_where_the_plain_rule_does(seed):
+    """As above with 120 blocks (a deeper tree), a third of them wrapping round the circle."""
+    rng = random.Random(seed)
+    period, n = 90, 120
+    start = [rng.randrange(period) for _ in range(n)]
+    life = [rng.randint(1, period) if rng.random() < 0.3 else rng.randint(1, period // 4)
+            for _ in range(n)]
+    size = [rng.choice([1, 2, 3, 8, 32]) * 512 for _ in range(n)]
+    area = lambda i: life[i] * size[i]  # noqa: E731
+    r = _core.pack_blocks(start, life, size, period, 0, 1 << 40)
+    assert r["offsets"] == _skyline_by_hand(start, life, size, period, area)
+    cap = 40 * 512
+    fills = [_skyline_by_hand(start, life, size, period, w, cap)
+             for w in (area, lambda i: size[i], lambda i: life[i])]
+    best = max(fills, key=lambda f: sum(area(i) for i, o in enumerate(f) if o is not None))
+    got = _core.fill_holes(start, life, size, period, [cap], "skyline")
+    assert got["hole"] == [-1 if o is None else 0 for o in best]
+
+
 def test_skyline_hole_filling_packs_a_stack_of_lifetimes_into_one_hole():
     # Nested lifetimes (a stack of activations): the skyline reaches their peak of live bytes,
     # so a hole exactly that large takes them all; greedy (largest at the peak first) does not.
