@@ -379,6 +379,10 @@ def test_packing_reaches_the_bound_on_simple_cases():
     assert r["arena"] == r["bound"] == 2048
     with pytest.raises(_core.AllocatorError):
         _core.pack_blocks([100], [1], [512], 100)
+    with pytest.raises(_core.AllocatorError, match="sizes add up past"):
+        _core.pack_blocks([0, 1], [2, 2], [1 << 62, 1 << 62], 4)
+    with pytest.raises(_core.AllocatorError, match="sizes add up past"):
+        _core.fill_holes([0, 1], [2, 2], [1 << 62, 1 << 62], 4, [512], "greedy")
 
 
 def _random_blocks(seed, n, period, max_life, max_units):

@@ -279,12 +279,21 @@ struct Timeline {
 };
 
 void check_blocks(const std::vector<PackBlock>& blocks, std::size_t period, const char* who) {
+  // Offsets are sums of sizes: their total must leave room to add one more (no overflow).
+  constexpr std::size_t kMaxTotal = std::numeric_limits<std::size_t>::max() / 4;
+  std::size_t total = 0;
   for (const PackBlock& b : blocks) {
     if (b.start >= period || b.life == 0 || b.life > period) {
       throw std::invalid_argument(std::string(who) + ": block [" + std::to_string(b.start) +
                                   ", +" + std::to_string(b.life) + ") does not fit a period of " +
                                   std::to_string(period));
     }
+    if (b.size > kMaxTotal - total) {
+      throw std::invalid_argument(std::string(who) + ": the sizes add up past " +
+                                  std::to_string(kMaxTotal) + " bytes (a block of " +
+                                  std::to_string(b.size) + "): no arena holds them");
+    }
+    total += b.size;
   }
 }
 

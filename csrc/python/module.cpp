@@ -316,7 +316,12 @@ PYBIND11_MODULE(_core, m) {
           }
           blocks[i] = {start[i], life[i], size[i]};
         }
-        const HoleFill r = fill_holes(blocks, period, holes, found->second, cost);
+        HoleFill r;
+        try {
+          r = fill_holes(blocks, period, holes, found->second, cost);
+        } catch (const std::invalid_argument& e) {
+          throw AllocatorError(e.what());
+        }
         std::vector<long long> hole(r.hole.size());
         for (std::size_t i = 0; i < hole.size(); ++i) {
           hole[i] = r.hole[i] == HoleFill::kNone ? -1 : static_cast<long long>(r.hole[i]);
