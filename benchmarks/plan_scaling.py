@@ -41,6 +41,8 @@ PAGE = 2 << 20
 
 
 def record_deep_gpt2(layers: int, path: Path, rerecord: bool = False):
+    """The trace of four AdamW steps of a narrow GPT-2 of `layers` layers (batch 2 x 64 tokens),
+    recorded once into `path` and read from there afterwards."""
     from pymemplan.traces import read_trace, record, write_csv
 
     if rerecord or not path.exists():
@@ -58,7 +60,7 @@ def record_deep_gpt2(layers: int, path: Path, rerecord: bool = False):
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        TRACE_DIR.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_csv(rec.trace, path)
     trace = read_trace(path)
     trace.name = path.name.split(".")[0]
