@@ -180,6 +180,19 @@ def test_nonzero_baseline_and_dropped_frees():
     np.testing.assert_array_equal(t.action, [ALLOC, FREE])
 
 
+def test_a_pointer_handed_out_again_was_freed_where_the_profiler_does_not_see():
+    # DDP's gloo workers free gradients the calling thread allocated: the allocator reports
+    # nothing for them (nor changes its total), and hands the pointer out again.
+    events = [ev(1, 0x10, 8, 8), ev(2, 0x20, 4, 12), ev(3, 0x10, 16, 28), ev(4, 0x10, -16, 12)]
+    t = trace_from_events(events)
+    np.testing.assert_array_equal(t.action, [ALLOC, ALLOC, FREE, ALLOC, FREE])
+    np.testing.assert_array_equal(t.ptr, [0x10, 0x20, 0x10, 0x10, 0x10])
+    np.testing.assert_array_equal(t.size, [8, 4, 8, 16, 16])
+    assert t.meta["unseen_frees"] == 1 and t.meta["unseen_free_bytes"] == 8
+    assert t.peak_live_bytes() == 20  # 0x20 and the second 0x10: the first was gone
+    assert trace_from_events(events[:2]).meta["unseen_frees"] == 0
+
+
 def test_device_choice():
     cpu = [ev(1, 0x10, 4, 4)]
     gpu0 = [ev(2, 0x7F00, 512, 512, "cuda:0")]

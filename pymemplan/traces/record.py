@@ -13,6 +13,9 @@ the next event, and :class:`RecordingError` says where.
 
 What the allocator itself cannot see stays unseen: on CPU, c10 tracks only allocations
 made on threads the profiler is active on (the calling thread; CPU autograd runs there).
+A block allocated on that thread and freed on another (a gloo worker under DDP) is
+never reported freed; the allocator hands its pointer out again, which is how its free
+is found (see :func:`trace_from_events`).
 
     with record() as rec:
         loss = model(x).sum(); loss.backward(); opt.step()
@@ -95,9 +98,13 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
     record is incomplete or misordered and :class:`RecordingError` names the event.
     Frees of blocks allocated before recording are dropped (counted in
     ``meta["dropped_frees"]``, ``meta["dropped_free_bytes"]``) but still enter the sum.
+    A pointer allocated again while its block is live was freed where the profiler does
+    not see (on another thread, which reports nothing, so the totals still agree): that
+    free is put just before the new allocation, the latest it can have been (counted in
+    ``meta["unseen_frees"]``, ``meta["unseen_free_bytes"]``).
     ``meta["baseline_bytes"]`` is the allocator's total when recording began, so the
     trace's live bytes after each event are ``total_allocated - baseline_bytes +
-    dropped free bytes so far``.
+    dropped free bytes - unseen free bytes so far``.
     """
     dev = choose_device(events, device)
     evs = [e for e in events if e.device == dev]
@@ -105,15 +112,12 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
     evs = _settle_ties(evs)
 
     n = len(evs)
-    action = np.empty(n, dtype=np.uint8)
-    ptr = np.empty(n, dtype=np.int64)
-    size = np.empty(n, dtype=np.int64)
-    keep = np.ones(n, dtype=bool)
+    rows: list[tuple[int, int, int, int]] = []  # action, ptr, size, time
     baseline = evs[0].total_allocated - evs[0].delta if evs else 0
     running = baseline
     peak_total = baseline
     live: dict[int, int] = {}
-    dropped = dropped_bytes = 0
+    dropped = dropped_bytes = unseen = unseen_bytes = 0
     for i, e in enumerate(evs):
         running += e.delta
         if running != e.total_allocated:
@@ -123,37 +127,37 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
                 f"{e.total_allocated}; the profiler missed or misordered an allocation "
                 f"(allocations on another thread, or a second profiler running?)")
         peak_total = max(peak_total, running)
-        ptr[i] = e.ptr
         if e.delta > 0:
-            if e.ptr in live:
-                raise RecordingError(f"{name}: {dev} allocation event {i}: pointer {e.ptr:#x} "
-                                     f"allocated again before its free was recorded")
+            owned = live.pop(e.ptr, None)
+            if owned is not None:  # freed on a thread the profiler does not see
+                unseen += 1
+                unseen_bytes += owned
+                rows.append((FREE, e.ptr, owned, e.time_ns))
             live[e.ptr] = e.delta
-            action[i], size[i] = ALLOC, e.delta
+            rows.append((ALLOC, e.ptr, e.delta, e.time_ns))
         elif e.delta < 0:
             owned = live.pop(e.ptr, None)
             if owned is None:  # allocated before recording began
-                keep[i] = False
                 dropped += 1
                 dropped_bytes -= e.delta
                 continue
             if owned != -e.delta:
                 raise RecordingError(f"{name}: {dev} allocation event {i}: free of {-e.delta} "
                                      f"bytes at {e.ptr:#x}, which was allocated with {owned}")
-            action[i], size[i] = FREE, -e.delta
-        else:
-            keep[i] = False  # a zero-byte report holds nothing
+            rows.append((FREE, e.ptr, -e.delta, e.time_ns))
+        # a zero-byte report holds nothing
 
-    times = np.array([e.time_ns for e in evs], dtype=np.int64)
-    t0 = times[keep][0] if keep.any() else 0
+    table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    t0 = table[0, 3] if len(table) else 0
     meta = {
         "format": "torch-profiler", "device": dev, "baseline_bytes": baseline,
         "peak_total_allocated": peak_total, "final_total_allocated": running,
         "dropped_frees": dropped, "dropped_free_bytes": dropped_bytes,
-        "events": int(keep.sum()),
+        "unseen_frees": unseen, "unseen_free_bytes": unseen_bytes,
+        "events": len(table),
     }
-    return Trace(action[keep], ptr[keep], size[keep], np.zeros(int(keep.sum()), np.int64),
-                 (times[keep] - t0) / 1e9, name=name, meta=meta)
+    return Trace(table[:, 0].astype(np.uint8), table[:, 1], table[:, 2],
+                 np.zeros(len(table), np.int64), (table[:, 3] - t0) / 1e9, name=name, meta=meta)
 
 
 def _settle_ties(evs: list[AllocationEvent]) -> list[AllocationEvent]:
