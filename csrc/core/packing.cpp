@@ -615,6 +615,9 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
   PlacedIndex by_time(period, blocks.size());  // every block, largest first in each bucket
   for (std::size_t i : by_size) by_time.add(i, blocks[i]);
   std::vector<std::pair<std::size_t, std::size_t>> taken;
+  // A block that fits nowhere in a hole never will while that hole only fills up: it is
+  // not tried there again (each new peak time asked again for every block alive at it).
+  std::vector<std::size_t> full_for(blocks.size(), HoleFill::kNone);
   for (std::size_t h : holes) {
     const long long before = live.max();
     std::vector<std::size_t> moved;
@@ -625,11 +628,14 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
       bool placed = false;
       for (std::size_t i : by_time.around(t)) {
         if (r.hole[i] != HoleFill::kNone || blocks[i].size == 0 || blocks[i].size > hole_sizes[h] ||
-            !alive_at(blocks[i], t)) {
+            full_for[i] == h || !alive_at(blocks[i], t)) {
           continue;
         }
         const std::size_t at = lowest_fit(blocks, period, blocks[i], here, r.offset, hole_sizes[h], taken);
-        if (at == kNone) continue;
+        if (at == kNone) {
+          full_for[i] = h;
+          continue;
+        }
         r.hole[i] = h;
         r.offset[i] = at;
         moved.push_back(i);
