@@ -11,7 +11,7 @@ Importing this package does not import torch; only recording does.
 
 from .builtin import builtin_traces
 from .io import detect_format, read_trace
-from .record import RecordingError, record, record_step
+from .record import RecordingError, RecordingWarning, record, record_step
 from .rmm_csv import read_rmm_csv, write_csv
 from .snapshot import read_snapshot_pickle
 from .trace import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError
@@ -19,7 +19,7 @@ from .replay import DEFAULT_POLICIES, ReplayResult, replay
 from .offline import OfflineLayout, offline_layout
 
 __all__ = [
-    "ALLOC", "ALLOC_FAILURE", "FREE", "RecordingError", "Trace", "TraceError",
+    "ALLOC", "ALLOC_FAILURE", "FREE", "RecordingError", "RecordingWarning", "Trace", "TraceError",
     "DEFAULT_POLICIES", "OfflineLayout", "ReplayResult", "builtin_traces", "offline_layout", "replay", "detect_format", "read_rmm_csv", "read_snapshot_pickle",
     "read_trace", "record", "record_step", "write_csv",
 ]

@@ -24,6 +24,7 @@ is found (see :func:`trace_from_events`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -34,6 +35,10 @@ from .trace import ALLOC, FREE, Trace, TraceError
 
 class RecordingError(TraceError):
     """The profiler's memory events do not account for the allocator's totals."""
+
+
+class RecordingWarning(UserWarning):
+    """A recording that is complete but holds an inferred event (see trace_from_events)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,11 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
             rows.append((FREE, e.ptr, -e.delta, e.time_ns))
         # a zero-byte report holds nothing
 
+    if unseen:
+        warnings.warn(f"{name}: {unseen} block(s) ({unseen_bytes} bytes) were freed where the "
+                      f"profiler does not see (another thread, such as DDP's gloo workers); each "
+                      f"free is placed at the next allocation of its pointer, so those lifetimes "
+                      f"are upper bounds (meta['unseen_frees'])", RecordingWarning, stacklevel=2)
     table = np.array(rows, dtype=np.int64).reshape(-1, 4)
     t0 = table[0, 3] if len(table) else 0
     meta = {
