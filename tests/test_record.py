@@ -210,3 +210,34 @@ def test_empty_recording():
     with record() as rec:
         pass
     assert len(rec.trace) == 0
+
+
+def test_a_distributed_data_parallel_step_records_whole(tmp_path):
+    # gloo's worker threads free tensors this thread allocated, which the profiler never sees
+    # freed; recording must still give a complete trace (a free per allocation, in order).
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 512), nn.ReLU(),
+                                                      nn.Linear(512, 256)), bucket_cap_mb=1)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        with record() as rec:
+            for _ in range(3):
+                model(torch.randn(32, 256)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
+    t = rec.trace
+    live: dict[int, int] = {}
+    for a, p, s in zip(t.action.tolist(), t.ptr.tolist(), t.size.tolist()):
+        if a == ALLOC:
+            assert p not in live
+            live[p] = s
+        else:
+            assert live.pop(p) == s
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert t.peak_live_bytes() >= grads  # the gradients (and DDP's buckets) were recorded
