@@ -13,7 +13,10 @@ products), a mixture of experts whose router picks tokens with ``torch.nonzero``
 with ``nonzero_density``), Mistral (sliding-window attention) and DeBERTa-v2 (disentangled
 attention), Mamba (a state-space model's scan over time), and, added later, DenseNet-121
 (dense blocks) under SGD with Nesterov momentum, OPT, a GRU encoder-decoder under RMSprop,
-DistilBERT, RegNetY-400MF under Adagrad and ShuffleNetV2 under bf16 autocast. Each is traced with
+DistilBERT, RegNetY-400MF under Adagrad and ShuffleNetV2 under bf16 autocast, and, added last,
+DeepLabV3 (segmentation, with a per-pixel target the loss closes over), GPT-NeoX with
+Hugging Face's activation checkpointing, T5 under Adafactor and Llama under fp16 autocast
+with a gradient scaler. Each is traced with
 its optimizer, AdamW unless named (``pymemplan.trace(..., device="cpu")``, kernel probe on, the
 CPU default), and its steady-state step is then run for real
 (``pymemplan.planner.measure.measure_step``: the optimizer's state made by a warm-up step first).
@@ -173,6 +176,43 @@ def workloads():
         rmsprop = functools.partial(torch.optim.RMSprop, lr=1e-3)
         return heldout_models.gru_seq2seq(), (src, tgt), None, None, {"optimizer": rmsprop}
 
+    def deeplab():
+        import torchvision
+
+        model = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(
+            weights=None, weights_backbone=None, num_classes=8, aux_loss=True)
+        y = torch.randint(0, 8, (4, 128, 128))
+        return (model, (torch.randn(4, 3, 128, 128),),
+                lambda out: F.cross_entropy(out["out"], y) + 0.4 * F.cross_entropy(out["aux"], y),
+                None)
+
+    def neox_checkpointed():
+        # Hugging Face's own activation checkpointing (torch.utils.checkpoint, non-reentrant).
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(
+            vocab_size=8000, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+            intermediate_size=1024, max_position_embeddings=512))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return Loss(model), (torch.randint(0, 8000, (4, 256)),), None, None
+
+    def t5_adafactor():
+        from transformers.optimization import Adafactor
+
+        model, inputs, *_ = t5()
+        adafactor = functools.partial(Adafactor, lr=1e-3, relative_step=False,
+                                      scale_parameter=False)
+        return model, inputs, None, None, {"optimizer": adafactor}
+
+    def llama_fp16():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
+        return (Loss(model), (torch.randint(0, 8000, (4, 128)),), None, torch.float16,
+                {"grad_scaler": True})
+
     sgd_nesterov = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, nesterov=True)
     adagrad = functools.partial(torch.optim.Adagrad, lr=0.01)
     return {
@@ -207,6 +247,13 @@ def workloads():
                            classifier("regnet_y_400mf", 8, 96, adagrad)),
         "shufflenet_v2": ("ShuffleNetV2, batch 32 at 128x128, bf16 autocast",
                           classifier("shufflenet_v2_x1_0", 32, 128, torch.optim.AdamW, torch.bfloat16)),
+        "deeplab_v3": ("DeepLabV3 (MobileNetV3 backbone, auxiliary head), batch 4 at 128x128",
+                       deeplab),
+        "gpt_neox_ckpt": ("GPT-NeoX, 6 layers of 256, Hugging Face's activation checkpointing, "
+                          "batch 4 x 256", neox_checkpointed),
+        "t5_adafactor": ("the T5 above under Adafactor (factored second moments)", t5_adafactor),
+        "llama_fp16": ("Llama, 4 layers of 256, batch 4 x 128, fp16 autocast with a gradient "
+                       "scaler", llama_fp16),
     }
 
 
@@ -224,8 +271,8 @@ def measure(name, build) -> dict:
     t = pymemplan.trace(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
                         device="cpu", autocast=autocast, **options)
     trace_seconds = time.perf_counter() - t0
-    measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer,
-                            autocast=autocast).peak_bytes
+    measured = measure_step(model, inputs, loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
+                            grad_scaler=options.get("grad_scaler", False)).peak_bytes
     error = t.peak_bytes - measured
     return {"model": name, "predicted_bytes": t.peak_bytes, "measured_bytes": measured,
             "error_bytes": error, "relative_error": error / measured,

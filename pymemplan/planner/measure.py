@@ -28,9 +28,7 @@ def _build_optimizer(optimizer, model):
     return optimizer(model.parameters())
 
 
-def state_bytes(model, inputs, opt) -> int:
-    """Bytes of the distinct storages of parameters, buffers, tensor inputs and optimizer
-    state on the model's device (shared storages counted once)."""
+def _state_storages(model, inputs, opt) -> dict[int, int]:
     import torch
 
     device = next(iter(model.parameters())).device
@@ -44,7 +42,36 @@ def state_bytes(model, inputs, opt) -> int:
         if t.device == device:  # e.g. CUDA optimizers keep `step` counters on the CPU
             s = t.untyped_storage()
             seen[s._cdata] = s.nbytes()
-    return sum(seen.values())
+    return seen
+
+
+def state_bytes(model, inputs, opt) -> int:
+    """Bytes of the distinct storages of parameters, buffers, tensor inputs and optimizer
+    state on the model's device (shared storages counted once)."""
+    return sum(_state_storages(model, inputs, opt).values())
+
+
+def _reads(device, known: set[int]):
+    """A dispatch mode noting the distinct storages on `device` that ops read, other than
+    those in `known`: key -> (bytes, data pointer)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.storages: dict[int, tuple[int, int]] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for a in tree_leaves((args, kwargs or {})):
+                if isinstance(a, torch.Tensor) and a.device == device:
+                    s = a.untyped_storage()
+                    if s._cdata not in known and s.nbytes() > 0:
+                        self.storages.setdefault(s._cdata, (s.nbytes(), s.data_ptr()))
+            return func(*args, **(kwargs or {}))
+
+    return Reads()
 
 
 def step_fn(model, inputs, loss_fn, opt, autocast=None, scaler=None):
@@ -83,7 +110,11 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     """Run one steady-state training step for real and measure its peak.
 
     With an optimizer, a first step creates its state; gradients are then set to None and
-    the second step is measured, as :func:`pymemplan.trace` predicts it. The device is
+    the second step is measured, as :func:`pymemplan.trace` predicts it (without one, a
+    first step runs too, its gradients dropped). The first step also finds the tensors the
+    step reads that exist before it and are neither parameters, buffers, inputs nor state (a
+    target the loss closes over): live through the step, they count in the peak, as in
+    :func:`pymemplan.trace`'s. The device is
     the one the model's parameters are on. ``autocast``, ``grads_present`` (a later
     micro-step of gradient accumulation: gradients exist and backward adds into them) and
     ``grad_scaler`` (``torch.amp.GradScaler``) as for :func:`pymemplan.trace`.
@@ -98,8 +129,21 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     device = next(iter(model.parameters())).device
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
     step = step_fn(model, inputs, loss_fn, opt, autocast, scaler)
-    if opt is not None:
+    # A first step, unmeasured (with an optimizer it makes the state; without, it is a dry
+    # run whose gradients go below). On the CPU it finds the tensors the step reads that
+    # were there before it: read, and at no pointer the step allocated. Not in the measured
+    # step: a dispatch mode can change which kernels run.
+    older: dict[int, int] = {}
+    model.zero_grad(set_to_none=True)  # gradients left by an earlier step are not the step's
+    if device.type == "cpu":
+        reads = _reads(device, set(_state_storages(model, inputs, opt)))
+        with record(device="cpu") as dry, reads:
+            step()
+        made = set(dry.trace.ptr.tolist())
+        older = {k: n for k, (n, ptr) in reads.storages.items() if ptr not in made}
+    else:
         step()
+    if opt is not None:
         # GradScaler skips a step whose gradients overflowed (its first, at a scale of 65536,
         # often does): the optimizer then has no state yet, and the measured step would make it.
         for _ in range(32):
@@ -115,13 +159,17 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
                 grads.append(p.grad)
     if scaler is not None:
         grads += [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
-    start = state_bytes(model, list(inputs) + grads, opt)
+    known = _state_storages(model, list(inputs) + grads, opt)
+    start = sum(known.values())
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
         return Measurement(torch.cuda.max_memory_allocated(), start)
+    # Read by the step, made before it, and not counted above (a target the loss closes
+    # over): live through the step. cuda's counter has them already.
+    start += sum(n for key, n in older.items() if key not in known)
     with record(device="cpu") as rec:
         step()
     m = rec.trace.meta
