@@ -29,6 +29,8 @@ def _build_optimizer(optimizer, model):
 
 
 def _state_storages(model, inputs, opt) -> dict[int, int]:
+    """The distinct storages (key -> bytes) of parameters, buffers, tensor inputs and
+    optimizer state on the model's device (shared storages counted once)."""
     import torch
 
     device = next(iter(model.parameters())).device
@@ -43,12 +45,6 @@ def _state_storages(model, inputs, opt) -> dict[int, int]:
             s = t.untyped_storage()
             seen[s._cdata] = s.nbytes()
     return seen
-
-
-def state_bytes(model, inputs, opt) -> int:
-    """Bytes of the distinct storages of parameters, buffers, tensor inputs and optimizer
-    state on the model's device (shared storages counted once)."""
-    return sum(_state_storages(model, inputs, opt).values())
 
 
 def _reads(device, known: set[int]):
