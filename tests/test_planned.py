@@ -746,6 +746,52 @@ def _first_step_makes_what_later_steps_keep(steps):
     return r, later
 
 
+def _state_then_steps(policy, state=True, steps=4):
+    """A loop whose first step makes the optimizer's state (60 blocks of up to 4 MiB), so that
+    the second step, with it alive, needs more than any moment before: the run's peak."""
+    r = Runner(policy=policy)
+    run_prologue(r)
+    it = _with_small_saved(make_iteration(8, scale=2))
+    r.run(_with_optimizer_state(it, n=60, max_kib=4096) if state else it, 0)
+    _keep_state(r)
+    second = r.requests
+    r.run(it, 1)
+    hits_in_second = r.plan()["plan_hits"] if policy == POLICY else 0
+    for i in range(2, steps):
+        r.run(it, i)
+    return r, second, hits_in_second
+
+
+def test_a_plan_found_early_in_the_second_step_serves_the_rest_of_it():
+    """The plan of the first step is found a match window into the second, and serves the rest
+    of it, the first step with the optimizer's state, where the pool alone reaches its peak:
+    the run holds its page floor, a page below pymemplan-vmm. The steady state starts with the
+    third step, the first one a plan serves from its start."""
+    r, second, hits = _state_then_steps(POLICY)
+    pool, _, _ = _state_then_steps("pymemplan-vmm")
+    ps = r.plan()
+    assert ps["mid_pass_arms"] == 1
+    assert hits > 0
+    floor = -(-r.peak_live // (2 * MiB)) * 2 * MiB
+    assert r.stats()["reserved_bytes.all.peak"] == floor
+    assert pool.stats()["reserved_bytes.all.peak"] > floor
+    per_step = sum(1 for op in _with_small_saved(make_iteration(8, scale=2)) if op[0] == "a")
+    # The allocator counts the prologue's requests too; the Runner does not.
+    assert ps["first_planned_request"] == len(prologue()) + second + per_step
+    check_invariants(r.alloc, r.device, r.live)
+
+
+def test_no_plan_arms_mid_pass_where_the_pass_needs_no_more_than_the_pool_held():
+    """Without new memory in the second step (no optimizer state made in the first), the plan
+    found in it waits for its cut, as before: the pool has held what the step needs, and a plan
+    armed mid-pass would only add driver calls."""
+    r, second, hits = _state_then_steps(POLICY, state=False)
+    ps = r.plan()
+    assert ps["mid_pass_arms"] == 0 and hits == 0
+    assert ps["arms"] >= 1
+    assert ps["first_planned_request"] >= len(prologue()) + second
+
+
 def test_a_plan_made_from_the_first_step_is_made_again_from_the_step_as_it_repeats():
     """The state's sizes repeat the parameters', so the first period found pairs them: its window
     holds the first step, one-off allocations included. Later passes skip those slots and match,

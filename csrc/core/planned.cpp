@@ -37,6 +37,12 @@ constexpr std::size_t kArmShare = 32;
 // Smallest share of the highest live (requested) bytes a plan's bound must reach to be armed.
 constexpr double kMinPlanShare = 0.2;
 constexpr std::size_t kDisarmShare = 16;
+// A plan just made arms for the rest of the pass it was found in (arm_mid_pass()) if no more
+// than kMidPassWindows match windows and 1/kMidPassShare of that pass have gone by: as soon
+// as detection could tell. Deeper in, blocks of the pass that the plan does not place count
+// in what it is said to need (llama_6l, 509 events in: 1,129 MiB for a peak of 877).
+constexpr std::size_t kMidPassWindows = 2;
+constexpr std::size_t kMidPassShare = 4;
 // An arming keeps mapped what the plans that served within the last kRecentPeriods of their
 // periods took, and what the steps between their passes had live.
 constexpr std::uint64_t kRecentPeriods = 16;
@@ -302,6 +308,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("full_rearms", num(full_rearms_));
   put("first_request_cuts", num(first_request_cuts_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
+  put("mid_pass_arms", num(mid_pass_arms_));
   put("marks", num(marks_));
   put("plans_imported", num(imported_));
   put("armed", armed_ ? 1.0 : 0.0);
@@ -573,7 +580,9 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     if (out != nullptr) {
       ++plan_hits_;
       if (in_hole && !in_arena) ++hole_hits_;
-      if (first_planned_ == kNever) first_planned_ = id;
+      // The steady state starts with the first pass a plan serves from its start (not the
+      // rest of a pass it armed in: arm_mid_pass()).
+      if (first_planned_ == kNever && !mid_pass_) first_planned_ = id;
     } else {
       ++slot_busy_;
     }
@@ -661,6 +670,10 @@ bool PlannedAllocator::boundary(bool arm_now) {
   // validates the plan; a validated plan that is not armed yet arms now (arm_now), or when
   // the caller says (arm_at_cut). False: the plan was dropped and must not arm now.
   at_cut_ = false;
+  // The rest of a pass that a plan armed in (arm_mid_pass()) holds what that pass's start left
+  // in the pool: it is not what the plan's passes take, and no memory is kept for it.
+  const bool partial = mid_pass_;
+  mid_pass_ = false;
   live_at_cut_ = live_bytes_;
   Plan& p = plans_[active_];
   const std::uint64_t n = base_ + events_.size();
@@ -719,7 +732,7 @@ bool PlannedAllocator::boundary(bool arm_now) {
     ++arm_refusals_;
     return false;
   }
-  if (armed_) {
+  if (armed_ && !partial) {
     note_pass(n, p.period);
     if (kept_floor_ > armed_footprint_) trim_kept();
   }
@@ -810,6 +823,11 @@ void PlannedAllocator::arm_at_cut() {
     armed_ = false;
     if (arm(0)) {
       ++full_rearms_;
+    } else if (p.skip != kPrefix) {
+      // Armed in the pass it was found in (arm_mid_pass()), it left that pass's first
+      // requests to the pool, many more than a plan recognised by them leaves: each pass would
+      // take those from the pool beside the arena (an evaluation loop: 1.029 -> 1.050).
+      disarm();
     } else {
       armed_ = true;
       variant_ = 1;
@@ -845,6 +863,7 @@ void PlannedAllocator::refresh(Plan& p) {
 
 void PlannedAllocator::stop_serving() {
   armed_ = false;
+  mid_pass_ = false;
   pool_->unclaim_all();  // the holes of the plan that served go back to best fit
 }
 
@@ -885,7 +904,7 @@ void PlannedAllocator::refine(std::size_t period) {
 std::vector<PackBlock> PlannedAllocator::variant_blocks(const Plan& p, int v,
                                                       std::vector<std::size_t>* slot_of) const {
   std::vector<PackBlock> blocks;
-  for (std::size_t j = v == 0 ? 0 : std::min(kPrefix, p.slots.size()); j < p.slots.size(); ++j) {
+  for (std::size_t j = v == 0 ? 0 : std::min(p.skip, p.slots.size()); j < p.slots.size(); ++j) {
     if (p.slot_block[j] == kNoOffset) continue;
     blocks.push_back(p.blocks[p.slot_block[j]]);
     if (slot_of != nullptr) slot_of->push_back(j);
@@ -982,9 +1001,9 @@ std::vector<PlannedAllocator::Candidate> PlannedAllocator::candidates(
 
 bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& holes) {
   // Offsets are computed only for a plan that arms: detection builds many plans (of repeated
-  // layers, of iterations seen once) that never do. Variant 1 leaves out the first kPrefix
+  // layers, of iterations seen once) that never do. Variant 1 leaves out the first p.skip
   // slots: it serves a pass whose first requests the pool served already (the plan was
-  // recognised by them), so no room is kept for them.
+  // recognised by them, or made from a window that holds them), so no room is kept for them.
   // Blocks may first go to holes of the pool (page_holes: free parts of pages that blocks
   // outliving the period keep mapped, such as parameters and optimizer state), which cost only
   // the pages they need beyond those (unkept_bytes); the rest go to the arena. Taking blocks
@@ -1189,6 +1208,17 @@ bool PlannedAllocator::arm(int v) {
     // this run as high as the run it comes from went, no higher.
     limit = std::max(limit, p.cap);
   }
+  if (mid_pass_need_ != 0) {
+    // A plan just made, armed for the rest of the pass it was found in (arm_mid_pass()): only
+    // where that pass needs more than the pool ever held (the first one with the optimizer's
+    // state, typically), so that the peak rises whoever serves it, or where it replaces a
+    // plan that was serving; and then only at the page floor of what the pass needs. Where
+    // the pool had held as much, it was let arm below that highest reserved, and random
+    // training runs lost more than they gained (seed 153: 1.006 -> 1.028).
+    limit = mid_pass_need_ > static_cast<std::size_t>(high) || mid_pass_replaces_
+                ? std::min(arm_cap_, round_up(mid_pass_need_, page()))
+                : 0;
+  }
   if (after_drop) limit = std::min(limit, p.drop_cap);
   auto refuse = [&] {
     p.refused_at[v] = high;
@@ -1308,7 +1338,9 @@ bool PlannedAllocator::arm(int v) {
     footprint += saved - shared;
     last_footprint_ = footprint;
   }
-  pool_->set_grow_mark(footprint);
+  // Armed mid-pass, the footprint counts the pages of the pass's first blocks, which the pool
+  // serves and frees within the pass: the arena takes idle pages before new ones.
+  pool_->set_grow_mark(mid_pass_need_ != 0 ? static_cast<std::size_t>(pool_->reserved_bytes()) : footprint);
   armed_footprint_ = footprint;
   // A pass is held to what the plan was accepted against, not to its own footprint: a plan
   // of an earlier run, accepted up to that run's peak, went a page past its footprint in the
@@ -1729,7 +1761,58 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     if (active_ != kNoOffset && active_ > victim) --active_;
   }
   plans_.push_back(std::move(plan));
+  mid_pass_replaces_ = armed_;
   adopt(plans_.size() - 1, cursor);
+  // The window ends a little way into a pass of the plan (the pool served its first requests):
+  // rather than wait a whole pass for its cut, the plan serves the rest of this one. Found at
+  // the start of the second step, the plan of the first serves the step whose peak is the
+  // highest of the run (the first with the optimizer's state): mamba_4l 1.030 -> 1.010 of
+  // live over the whole trace. Only over virtual memory: without it an arena is a segment
+  // of its own, which the pool cannot take pages from.
+  Plan& fresh = plans_.back();
+  if (config_.pool.vmm && !armed_ && cursor != 0 && now <= std::min(kMidPassWindows * config_.match_window, period / kMidPassShare) &&
+      worth_an_arena(fresh)) {
+    arm_mid_pass(fresh, cursor, n);
+  }
+}
+
+void PlannedAllocator::set_skip(Plan& p, std::size_t skip) {
+  if (p.skip == skip) return;
+  p.skip = skip;
+  p.packed[1] = p.holes[1] = false;
+  p.arena[1] = p.bound[1] = p.hole_cost[1] = 0;
+  p.holes_key[1] = 0;
+  p.refused_at[1] = -1;
+  p.claims[1].clear();
+  for (Slot& slot : p.slots) {
+    slot.offset[1] = kNoOffset;
+    slot.hole[1] = 0;
+  }
+}
+
+void PlannedAllocator::arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n) {
+  // What the rest of the pass holds at least: the live blocks that are not the plan's (the
+  // parameters, the optimizer's state: they stay) beside the plan's own peak. The plan's are
+  // those made in its window with a lifetime within the period: the pass's first requests,
+  // which the pool served, and blocks of the last pass that wrap round into this one.
+  const std::uint64_t s = n - p.period;
+  std::vector<char> planned(p.period, 0);
+  std::size_t k = 0;
+  for (std::uint64_t g = s; g < n; ++g) {
+    if (ev(g).alloc) planned[g - s] = p.slots[p.slot_of_alloc[k++]].planned ? 1 : 0;
+  }
+  std::int64_t others = live_bytes_;
+  for (const auto& [addr, l] : live_) {
+    if (l.event >= s && l.event < n && planned[l.event - s] != 0) others -= static_cast<std::int64_t>(l.size);
+  }
+  set_skip(p, cursor);
+  p.refused_at[1] = -1;  // by adopt(), at the limits of a plan recognised by its first requests
+  mid_pass_need_ = static_cast<std::size_t>(std::max<std::int64_t>(others, 0)) + p.bound[0];
+  if (arm(1)) {
+    ++mid_pass_arms_;
+    mid_pass_ = true;
+  }
+  mid_pass_need_ = 0;
 }
 
 std::size_t PlannedAllocator::share_pages() {
@@ -1803,7 +1886,10 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   // more than the run's own plans on 41 of them.
   const bool alone = std::count_if(plans_.begin(), plans_.end(),
                                    [&](const Plan& q) { return q.prefix == p.prefix; }) == 1;
-  if (!armed_ && cursor == kPrefix && (!p.imported || (p.validated && alone))) arm(1);
+  if (!armed_ && cursor == kPrefix && (!p.imported || (p.validated && alone))) {
+    set_skip(p, kPrefix);
+    arm(1);
+  }
 }
 
 }  // namespace pymemplan

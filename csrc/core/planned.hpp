@@ -39,9 +39,9 @@
 // - Packing (packing.hpp) happens only when a plan first arms, since most plans detection makes
 //   (of repeated layers, of iterations seen once) never do. Lifetimes that were unknown when
 //   the plan was made (allocations still alive then) and are known by then are filled in first.
-//   Two variants: all planned blocks (arming at the cut), and all but the first kPrefix slots
+//   Two variants: all planned blocks (arming at the cut), and all but the first `skip` slots
 //   (arming when a stored plan is recognised by its first kPrefix requests, which the pool has
-//   served already).
+//   served already, or when a plan is made a few requests into a pass of it: below).
 // - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its bound
 //   failed to match it and slots of less than that were skipped, or at once when a stored plan is
 //   recognised at the start of an iteration. Where the stream diverged at the cut (an evaluation
@@ -61,6 +61,17 @@
 //   input batch made before the last is released), the plan arms once it is served, so that the
 //   pool's memory is measured with it; the block it replaces (the oldest live one of its token,
 //   about a period old) is released within the pass and is not counted as held.
+// - Arming mid-pass (arm_mid_pass()). A plan made within two match windows (and a quarter of
+//   its period) of its cut, with virtual memory, serves the rest of that pass (the second
+//   step, where the first step's plan is found: often the run's peak, the first step with the
+//   optimizer's state). What that pass needs at least is estimated as the live blocks the
+//   plan does not place plus the plan's bound; the plan arms only where that is above the
+//   highest reserved so far (or it replaces a plan that was serving), and only if its
+//   footprint is that estimate rounded up to a page. Its first `skip` slots stay with the
+//   pool; the grow mark is what is reserved then, so the arena takes the pages those blocks
+//   free before new ones. At the cut it arms whole, or stops serving (each pass would leave
+//   its first requests to the pool beside the arena). The steady state (first_planned_request)
+//   starts with the first pass a plan serves from its start.
 // - Serving. A cursor walks the plan's allocations. A request that matches the slot at the
 //   cursor (same rounded size and stream) gets arena + offset if that range is free and safe
 //   now, otherwise the pool serves it: memory is never handed out twice. A mismatch looks
@@ -251,7 +262,8 @@ class PlannedAllocator : public Allocator {
     std::size_t cut = 0;         // time of the window where the plan starts
     std::vector<std::size_t> slot_of_alloc;  // k-th allocation of the window -> its slot
     std::size_t period = 0;  // events
-    // Per packing variant: 0 all planned blocks, 1 all but those of the first kPrefix slots.
+    // Per packing variant: 0 all planned blocks, 1 all but those of the first `skip` slots.
+    std::size_t skip = kPrefix;  // kPrefix, or the slots the pool served before a fresh plan armed
     std::size_t arena[2] = {0, 0};  // bytes the offsets need (once packed)
     std::size_t bound[2] = {0, 0};  // peak of live planned bytes
     bool packed[2] = {false, false};  // offsets are computed when the plan first arms
@@ -292,6 +304,12 @@ class PlannedAllocator : public Allocator {
   bool boundary(bool arm_now = true);
   void arm_at_cut();
   bool arm(int variant);
+  // Variant 1 of p leaves out its first `skip` slots from now on (repacked when next armed).
+  void set_skip(Plan& p, std::size_t skip);
+  // A plan just made, a little way into a pass of it (its first requests, which the pool
+  // served, are in the window it was made from): it arms now for the rest of the pass
+  // (build_plan()).
+  void arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n);
   // The most that a plan which served within its last kRecentPeriods periods took (or the
   // pool between such passes), at least `footprint`; forgets the older ones.
   std::size_t recent_floor(std::size_t footprint);
@@ -433,6 +451,9 @@ class PlannedAllocator : public Allocator {
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted against
   std::int64_t pool_only_high_ = 0;  // highest reserved after a request, with no arena
   std::size_t arm_cap_ = std::numeric_limits<std::size_t>::max();  // see boundary()
+  std::size_t mid_pass_need_ = 0;  // arm_mid_pass(): what the rest of the pass holds at least
+  bool mid_pass_ = false;
+  bool mid_pass_replaces_ = false;          // serving the rest of the pass a plan armed in (arm_mid_pass())
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
   std::unordered_map<std::uintptr_t, Live> live_;
@@ -451,6 +472,7 @@ class PlannedAllocator : public Allocator {
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
   std::uint64_t first_request_cuts_ = 0;  // passes started by the plan's first request after a divergence
   std::uint64_t busy_arenas_retired_ = 0;  // arenas retired into the pool with live blocks
+  std::uint64_t mid_pass_arms_ = 0;  // fresh plans armed a little way into a pass (arm_mid_pass())
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
   std::size_t last_hole_bytes_ = 0;  // bytes of the last plan packed that went to holes
