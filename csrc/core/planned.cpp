@@ -1210,14 +1210,8 @@ bool PlannedAllocator::arm(int v) {
   }
   if (mid_pass_need_ != 0) {
     // A plan just made, armed for the rest of the pass it was found in (arm_mid_pass()): only
-    // where that pass needs more than the pool ever held (the first one with the optimizer's
-    // state, typically), so that the peak rises whoever serves it, or where it replaces a
-    // plan that was serving; and then only at the page floor of what the pass needs. Where
-    // the pool had held as much, it was let arm below that highest reserved, and random
-    // training runs lost more than they gained (seed 153: 1.006 -> 1.028).
-    limit = mid_pass_need_ > static_cast<std::size_t>(high) || mid_pass_replaces_
-                ? std::min(arm_cap_, round_up(mid_pass_need_, page()))
-                : 0;
+    // at the page floor of what that pass needs.
+    limit = std::min(arm_cap_, round_up(mid_pass_need_, page()));
   }
   if (after_drop) limit = std::min(limit, p.drop_cap);
   auto refuse = [&] {
@@ -1761,7 +1755,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
     if (active_ != kNoOffset && active_ > victim) --active_;
   }
   plans_.push_back(std::move(plan));
-  mid_pass_replaces_ = armed_;
+  const bool replaces = armed_;
   adopt(plans_.size() - 1, cursor);
   // The window ends a little way into a pass of the plan (the pool served its first requests):
   // rather than wait a whole pass for its cut, the plan serves the rest of this one. Found at
@@ -1772,7 +1766,7 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   Plan& fresh = plans_.back();
   if (config_.pool.vmm && !armed_ && cursor != 0 && now <= std::min(kMidPassWindows * config_.match_window, period / kMidPassShare) &&
       worth_an_arena(fresh)) {
-    arm_mid_pass(fresh, cursor, n);
+    arm_mid_pass(fresh, cursor, n, replaces);
   }
 }
 
@@ -1790,7 +1784,7 @@ void PlannedAllocator::set_skip(Plan& p, std::size_t skip) {
   }
 }
 
-void PlannedAllocator::arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n) {
+void PlannedAllocator::arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n, bool replaces) {
   // What the rest of the pass holds at least: the live blocks that are not the plan's (the
   // parameters, the optimizer's state: they stay) beside the plan's own peak. The plan's are
   // those made in its window with a lifetime within the period: the pass's first requests,
@@ -1805,9 +1799,15 @@ void PlannedAllocator::arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n
   for (const auto& [addr, l] : live_) {
     if (l.event >= s && l.event < n && planned[l.event - s] != 0) others -= static_cast<std::int64_t>(l.size);
   }
+  const std::size_t need = static_cast<std::size_t>(std::max<std::int64_t>(others, 0)) + p.bound[0];
+  // Only where that pass needs more than the pool ever held (the first one with the optimizer's
+  // state, typically), so that the peak rises whoever serves it, or where the plan replaces
+  // one that was serving. Where the pool had held as much, it was let arm below that highest
+  // reserved, and random training runs lost more than they gained (seed 153: 1.006 -> 1.028).
+  if (need <= static_cast<std::size_t>(pool_->reserved_high_water()) && !replaces) return;
   set_skip(p, cursor);
-  p.refused_at[1] = -1;  // by adopt(), at the limits of a plan recognised by its first requests
-  mid_pass_need_ = static_cast<std::size_t>(std::max<std::int64_t>(others, 0)) + p.bound[0];
+  p.refused_at[1] = -1;  // adopt() may have refused it at the limits of a plan it recognised
+  mid_pass_need_ = need;
   if (arm(1)) {
     ++mid_pass_arms_;
     mid_pass_ = true;

@@ -309,7 +309,8 @@ class PlannedAllocator : public Allocator {
   // A plan just made, a little way into a pass of it (its first requests, which the pool
   // served, are in the window it was made from): it arms now for the rest of the pass
   // (build_plan()).
-  void arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n);
+  // `replaces`: a plan was serving when this one was made.
+  void arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n, bool replaces);
   // The most that a plan which served within its last kRecentPeriods periods took (or the
   // pool between such passes), at least `footprint`; forgets the older ones.
   std::size_t recent_floor(std::size_t footprint);
@@ -452,8 +453,7 @@ class PlannedAllocator : public Allocator {
   std::int64_t pool_only_high_ = 0;  // highest reserved after a request, with no arena
   std::size_t arm_cap_ = std::numeric_limits<std::size_t>::max();  // see boundary()
   std::size_t mid_pass_need_ = 0;  // arm_mid_pass(): what the rest of the pass holds at least
-  bool mid_pass_ = false;
-  bool mid_pass_replaces_ = false;          // serving the rest of the pass a plan armed in (arm_mid_pass())
+  bool mid_pass_ = false;  // serving the rest of the pass a plan armed in (arm_mid_pass())
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
   std::unordered_map<std::uintptr_t, Live> live_;
