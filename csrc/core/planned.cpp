@@ -1209,9 +1209,13 @@ bool PlannedAllocator::arm(int v) {
     limit = std::max(limit, p.cap);
   }
   if (mid_pass_need_ != 0) {
-    // A plan just made, armed for the rest of the pass it was found in (arm_mid_pass()): only
-    // at the page floor of what that pass needs.
-    limit = std::min(arm_cap_, round_up(mid_pass_need_, page()));
+    // A plan just made, armed for the rest of the pass it was found in (arm_mid_pass()): held
+    // to what that pass needs, within plan_slack of it (as a plan at its cut may go that far
+    // past the highest live bytes), to the end of the page that allowance ends in. At the page
+    // floor of the need, as first built, it left resnet50's second step to the pool: 1.015 of
+    // live over the whole trace, against 1.005 when the plan serves it.
+    const auto allowed = static_cast<std::size_t>(static_cast<double>(mid_pass_need_) * slack);
+    limit = std::min(arm_cap_, round_up(allowed, page()));
   }
   if (after_drop) limit = std::min(limit, p.drop_cap);
   auto refuse = [&] {

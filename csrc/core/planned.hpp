@@ -67,7 +67,8 @@
 //   optimizer's state). What that pass needs at least is estimated as the live blocks the
 //   plan does not place plus the plan's bound; the plan arms only where that is above the
 //   highest reserved so far (or it replaces a plan that was serving), and only if its
-//   footprint is that estimate rounded up to a page. Its first `skip` slots stay with the
+//   footprint is within plan_slack of that estimate (to the end of a page), as a plan at its
+//   cut may hold that much over the highest live bytes. Its first `skip` slots stay with the
 //   pool; the grow mark is what is reserved then, so the arena takes the pages those blocks
 //   free before new ones. At the cut it arms whole, or stops serving (each pass would leave
 //   its first requests to the pool beside the arena). The steady state (first_planned_request)
