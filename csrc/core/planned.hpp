@@ -44,7 +44,9 @@
 //   served already, or when a plan is made a few requests into a pass of it: below).
 // - Arming, at the cut ("boundary") after a pass in which requests of less than 1/32 of its bound
 //   failed to match it and slots of less than that were skipped, or at once when a stored plan is
-//   recognised at the start of an iteration. Where the stream diverged at the cut (an evaluation
+//   recognised at the start of an iteration. A period that repeated the one before it event for
+//   event but left more live bytes than it found (over 1/32 of the bound) validates nothing: its
+//   passes keep what they make (a model's constructor, building identical layers). Where the stream diverged at the cut (an evaluation
 //   step: fewer than kPrefix of its requests matched) and the pool served it, the plan's first
 //   request coming back once what the pool made for it is freed is a cut too. Only if its bound is
 //   >= 20% of the highest live bytes (periods of repeated layers are not worth an arena). Arming
@@ -240,6 +242,7 @@ class PlannedAllocator : public Allocator {
     std::uint64_t free_at = kNever;  // allocation: event index of its free
     std::uint64_t chain = kNever;    // previous end of the window that ends after this event
     std::size_t size = 0;            // allocation: rounded size; free: 0
+    std::int64_t live_before = 0;    // live bytes just before this event
     StreamId stream = 0;
     bool alloc = false;
   };
