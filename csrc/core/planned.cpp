@@ -688,8 +688,10 @@ bool PlannedAllocator::boundary(bool arm_now) {
   // model's constructor building its layers one after another, each keeping its weights
   // (neox_ckpt: GPT-NeoX's causal-mask buffers, a plan armed while the model was built, 1.055
   // of live over the whole trace against 1.045 for the pool alone). That does not validate
-  // the plan. Only an exact repetition says so: the live bytes at two points a period apart
-  // elsewhere differ by what falls between them in two different stretches of the stream.
+  // the plan. Judged only over an exact repetition: elsewhere two points a period apart need
+  // not be the same point of a step (a plan made from a window that held the first step's
+  // one-off requests, about to be made again), and what lies between them says nothing of
+  // what its passes keep.
   bool keeps = false;
   if (!p.validated && n >= base_ + 2 * p.period &&
       range_hash(n - p.period, n) == range_hash(n - 2 * p.period, n - p.period)) {

@@ -46,10 +46,11 @@
 //   failed to match it and slots of less than that were skipped, or at once when a stored plan is
 //   recognised at the start of an iteration. A period that repeated the one before it event for
 //   event but left more live bytes than it found (over 1/32 of the bound) validates nothing: its
-//   passes keep what they make (a model's constructor, building identical layers). Where the stream diverged at the cut (an evaluation
-//   step: fewer than kPrefix of its requests matched) and the pool served it, the plan's first
-//   request coming back once what the pool made for it is freed is a cut too. Only if its bound is
-//   >= 20% of the highest live bytes (periods of repeated layers are not worth an arena). Arming
+//   passes keep what they make (a model's constructor, building identical layers). Where the
+//   stream diverged at the cut (an evaluation step: fewer than kPrefix of its requests matched)
+//   and the pool served it, the plan's first request coming back once what the pool made for it
+//   is freed is a cut too. Only if its bound is >= 20% of the highest live bytes (periods of
+//   repeated layers are not worth an arena). Arming
 //   gives back what the pool holds beyond its live blocks (CachingAllocator::trim: unused pages,
 //   wholly free segments; arena pages beyond what this plan needs), and lowers the pool's grow
 //   mark to the footprint the plan expects (live pool pages + arena): from then on memory grows
