@@ -555,6 +555,38 @@ def test_ours_reuses_across_streams_only_after_the_owner_completes():
     assert r == p
 
 
+def test_a_side_streams_free_block_joins_the_free_space_beside_it_once_that_stream_is_done():
+    # Stream 1 reuses a hole stream 0 left (y), and frees it again: the 14 MiB that x and that
+    # block leave is one range only once stream 1's work there is done. Drained only when
+    # nothing else fit, the block stayed stream 1's for good (a virtual range's free tail
+    # always fits), a wall in stream 0's free space that requests went round.
+    dev, a = make("pymemplan-vmm", auto=False)
+    x = a.malloc(8 * MiB, stream=0)
+    y = a.malloc(6 * MiB, stream=0)
+    keep = a.malloc(8 * MiB, stream=0)
+    a.free(y)
+    other = a.malloc(20 * MiB, stream=1)  # y may still be in use by stream 0: a range of its own
+    dev.complete_events(0)
+    c = a.malloc(6 * MiB, stream=1)
+    assert c == y  # shared since the event on stream 0 completed
+    a.free(c)
+    a.free(x)
+    early = a.malloc(14 * MiB, stream=0)  # stream 1's work may still touch c: elsewhere
+    assert early != x
+    a.free(early)
+    dev.complete_events(1)
+    dev.complete_events(0)
+    z = a.malloc(14 * MiB, stream=0)
+    assert z == x
+    check_invariants(a, dev, {keep: 8 * MiB, other: 20 * MiB, z: 14 * MiB})
+    # PyTorch's allocator keeps each stream's blocks to itself.
+    dev, t = make("torch", auto=False)
+    x = t.malloc(8 * MiB, stream=0)
+    t.free(x)
+    dev.complete_events(0)
+    assert t.malloc(8 * MiB, stream=1) != x
+
+
 def test_record_stream_delays_reuse_until_the_other_stream_is_done():
     for policy in ("pymemplan", "torch"):
         dev, a = make(policy, auto=False)
