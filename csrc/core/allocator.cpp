@@ -438,7 +438,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   // when nothing fit, they never were with virtual memory, where the address range's free
   // tail always fits: a side stream's freed block stayed its own for good, a wall in the
   // middle of the main stream's free space, and the layout went round it. Of the 200 random
-  // training runs, the 37 with a second stream now hold what they hold on one stream on 32
+  // training runs, the 37 with a second stream now hold what they hold on one stream on 35
   // (seed 65: 1.055 -> 1.025 of live, as on one stream).
   if (config_.cross_stream_reuse) drain_other_streams(pool, stream);
   Block* b = nullptr;
