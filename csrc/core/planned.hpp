@@ -442,6 +442,10 @@ class PlannedAllocator : public Allocator {
   std::uint64_t plan_ids_ = 0;
   std::size_t active_ = kNoOffset;  // index into plans_
   std::size_t cursor_ = 0;
+  // A request served at a slot past planned ones while the cursor stayed (match_plan()): the
+  // slot, and the plan it belongs to (a plan made again has other slots).
+  std::size_t held_slot_ = kNoOffset;
+  std::uint64_t held_plan_ = 0;
   bool at_cut_ = false;  // the cursor wrapped to the plan's start: boundary() is due
   bool armed_ = false;
   int variant_ = 0;  // the packing variant served
