@@ -42,11 +42,11 @@ constexpr std::size_t kDisarmShare = 16;
 // as detection could tell. Deeper in, blocks of the pass that the plan does not place count
 // in what it is said to need (llama_6l, 509 events in: 1,129 MiB for a peak of 877).
 constexpr std::size_t kMidPassWindows = 2;
+constexpr std::size_t kMidPassShare = 4;
 // A request that would carry a serving plan's cursor past planned slots holding more than
 // kHeldJump times its own bytes is served there, but the cursor waits for the next request
 // (match_plan()).
 constexpr std::size_t kHeldJump = 16;
-constexpr std::size_t kMidPassShare = 4;
 // An arming keeps mapped what the plans that served within the last kRecentPeriods of their
 // periods took, and what the steps between their passes had live.
 constexpr std::uint64_t kRecentPeriods = 16;
@@ -668,7 +668,9 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
     for (std::size_t steps = 0; steps < n; ++steps) {
       const Slot& s = p.slots[c];
       if (s.size == rounded && s.stream == stream) {
-        if (skipped > 0 && !wrapped && armed_ && !p.imported && skipped_bytes > kHeldJump * rounded) {
+        // (Not the plan's last slot: going past it would start a pass without its boundary.)
+        if (skipped > 0 && !wrapped && c + 1 < n && armed_ && !p.imported &&
+            skipped_bytes > kHeldJump * rounded) {
           if (held == kNoOffset) {
             held_slot_ = c;
             held_plan_ = p.id;
@@ -678,7 +680,7 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
         }
         cursor_ = c + 1 == n ? 0 : c + 1;
         // The held request took the slot right after this one: the two came swapped.
-        if (held != kNoOffset && cursor_ == held && !wrapped) cursor_ = held + 1 == n ? 0 : held + 1;
+        if (held != kNoOffset && cursor_ == held && !wrapped) cursor_ = held + 1;
         at_cut_ = cursor_ == 0;  // the next request starts a pass
         *crossed = wrapped;      // this one did (slots at the end were skipped)
         pass_skipped_bytes_ += skipped_bytes;  // judged at the cut (boundary())
@@ -699,8 +701,7 @@ const PlannedAllocator::Slot* PlannedAllocator::match_plan(std::size_t rounded, 
     for (std::size_t k = cursor_; k != held; k = k + 1 == n ? 0 : k + 1) {
       if (p.slots[k].planned) pass_skipped_bytes_ += p.slots[k].size;
     }
-    cursor_ = held + 1 == n ? 0 : held + 1;
-    if (cursor_ == 0) at_cut_ = true;
+    cursor_ = held + 1;
   }
   return nullptr;
 }
