@@ -7,8 +7,12 @@ reserved / peak live per policy (and for a layout made knowing the whole run: wh
 placement could reach), and every seed where a policy of ours holds more than
 PyTorch's allocator, or plan-guided placement more than the virtual-memory pool it runs over
 (a plan must never make memory worse). Each run is also replayed once more through
-pymemplan-planned starting with the plans the first replay ended with, as a restarted job
-does with save_plans / load_plans ("restarted").
+pymemplan-planned starting with what the first replay exported, as a restarted job does
+with save_plans / load_plans ("restarted": its plans and its prologue, the run's first
+requests laid out in advance; every run here is shorter than a prologue, so it is the whole
+run), with its plans only ("restarted, plans only": prologue:0), and with a prologue that
+ends with the first pass a plan served whole ("restarted, prologue to the first planned
+pass": prologue:1), which is where a run longer than a prologue goes over to its plans.
 
     python benchmarks/alloc_random.py              # 200 seeds, about 20 s
     python benchmarks/alloc_random.py --seeds 1000
@@ -52,6 +56,9 @@ TOLERANCE = 0.005
 # The same run again, pymemplan-planned starting with the plans the first run ended with
 # (save_plans / load_plans: a restarted job).
 RESTARTED = "pymemplan-planned, restarted"
+RESTARTED_VARIANTS = {"pymemplan-planned, restarted, plans only": "pymemplan-planned=prologue:0",
+                      "pymemplan-planned, restarted, prologue to the first planned pass":
+                          "pymemplan-planned=prologue:1"}
 CALLS = ("pymemplan-vmm", "pymemplan-planned")  # driver calls over the second half, counted
 
 
@@ -95,6 +102,11 @@ def main() -> int:
                 row[name + " steady"] = r.steady_peak_reserved_bytes / r.steady_peak_live_bytes
         row[RESTARTED] = replay(trace, ["pymemplan-planned"],
                                 plans=results["pymemplan-planned"].plans)[0].reserved_over_live
+        for name, policy in RESTARTED_VARIANTS.items():
+            # prologue:1 records a shorter prologue: its first run exports another text.
+            plans = (results["pymemplan-planned"].plans if policy.endswith(":0")
+                     else replay(trace, [policy])[0].plans)
+            row[name] = replay(trace, [policy], plans=plans)[0].reserved_over_live
         # What placing every block knowing the whole run would hold (pymemplan.traces.offline).
         row["offline"] = offline_layout(trace).peak_reserved_bytes / row["peak_live_bytes"]
         for name in CALLS:
@@ -106,7 +118,7 @@ def main() -> int:
         return [r["seed"] for r in runs if r[a] > r[b] * (1 + TOLERANCE)]
 
     summary = {}
-    for name in (*POLICIES, RESTARTED):
+    for name in (*POLICIES, RESTARTED, *RESTARTED_VARIANTS):
         x = np.array([r[name] for r in runs])
         summary[name] = {"median": float(np.median(x)), "p95": float(np.percentile(x, 95)),
                          "max": float(x.max()), "within_3pct": int((x <= 1.03).sum())}
@@ -132,8 +144,10 @@ def main() -> int:
     }
     summary["second-half driver calls"] = {name: sum(r[name + " second-half driver calls"] for r in runs)
                                            for name in CALLS}
-    summary[RESTARTED]["lower"] = sum(r[RESTARTED] < r["pymemplan-planned"] for r in runs)
-    summary[RESTARTED]["higher"] = sum(r[RESTARTED] > r["pymemplan-planned"] for r in runs)
+    for name in (RESTARTED, *RESTARTED_VARIANTS):
+        summary[name]["lower"] = sum(r[name] < r["pymemplan-planned"] for r in runs)
+        summary[name]["higher"] = sum(r[name] > r["pymemplan-planned"] for r in runs)
+        summary[name]["max_over_first_run"] = max(r[name] / r["pymemplan-planned"] for r in runs)
     command = "python benchmarks/alloc_random.py" + ("" if args.loops == "training" else f" --loops {args.loops}")
     command += "" if args.seeds == 200 else f" --seeds {args.seeds}"
     command += "" if args.steps is None else f" --steps {args.steps}"
@@ -144,11 +158,13 @@ def main() -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
     print(f"{args.seeds} random {args.loops} loops in {seconds:.0f} s; peak reserved / peak live:")
-    print(f"  {'policy':30s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
-    for name in (*POLICIES, RESTARTED, "offline"):
+    names = (*POLICIES, RESTARTED, *RESTARTED_VARIANTS, "offline")
+    width = max(len(n) for n in names)
+    print(f"  {'policy':{width}s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
+    for name in names:
         s = summary[name]
         label = "offline (knows the run)" if name == "offline" else name
-        print(f"  {label:30s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
+        print(f"  {label:{width}s} {s['median']:8.4f} {s['p95']:8.4f} {s['max']:8.4f}  {s['within_3pct']}/{args.seeds}")
     s = summary["pymemplan-planned steady"]
     if steady:
         print(f"  pymemplan-planned, steady state: median {s['median']:.4f}, within 1% on "
@@ -156,9 +172,10 @@ def main() -> int:
     calls = summary["second-half driver calls"]
     print("  driver calls (pages mapped and unmapped) over the second halves: "
           + ", ".join(f"{name} {n:,}" for name, n in calls.items()))
-    s = summary[RESTARTED]
-    print(f"  restarted with the first run's plans: lower than pymemplan-planned on {s['lower']} "
-          f"runs, higher on {s['higher']}")
+    for name in (RESTARTED, *RESTARTED_VARIANTS):
+        s = summary[name]
+        print(f"  {name}: lower than pymemplan-planned on {s['lower']} runs, higher on {s['higher']} "
+              f"(at most {s['max_over_first_run']:.3f} times)")
     for what, seeds in above.items():
         print(f"  {what} by more than {TOLERANCE:.1%}: {len(seeds)} runs{': seeds ' + str(seeds[:20]) if seeds else ''}")
     print(f"-> {args.out}")

@@ -1081,13 +1081,20 @@ def main() -> int:
         results = [r.to_dict() for r in replayed]
         for obj, r in zip(replayed, results):
             if obj.plans is not None:
-                # The same trace again, starting with the plans the first replay ended with:
-                # a restarted job (pymemplan.save_plans / load_plans).
+                # The same trace again, starting with what the first replay exported: a
+                # restarted job (pymemplan.save_plans / load_plans). Its prologue lays out
+                # the run's first requests in advance (here, every trace is shorter than a
+                # prologue: the whole run); with prologue:0, the plans alone.
                 again = replay(trace, [r["policy"]], capacity=args.capacity, plans=obj.plans)[0]
                 r["restarted_peak_reserved_bytes"] = again.peak_reserved_bytes
                 r["restarted_reserved_over_live"] = again.reserved_over_live
                 r["restarted_first_planned_event"] = again.steady_from_event
+                plans_only = r["policy"] + ("," if "=" in r["policy"] else "=") + "prologue:0"
+                alone = replay(trace, [plans_only], capacity=args.capacity, plans=obj.plans)[0]
+                r["restarted_plans_only_reserved_over_live"] = alone.reserved_over_live
+                r["restarted_plans_only_first_planned_event"] = alone.steady_from_event
                 r["plans_saved"] = int(obj.plans.splitlines()[2])
+                r["prologue_requests"] = int(obj.plans.split("\nprologue ")[1].split()[1])
         # The largest capacity at which each policy still fails, and whether ours run at
         # the capacity where torch first fails.
         for r in results:
@@ -1177,8 +1184,10 @@ def main() -> int:
                 # The steady-state target applies from the first request a plan served; where
                 # no plan ever served (no repeated iteration, or a plan that would not have
                 # beaten the pool), it is reported as not reached rather than as met.
-                # Informational: the same trace restarted with the plans of its first run.
+                # Informational: the same trace restarted with what its first run exported
+                # (plans and prologue), and with its plans only.
                 v["restarted_over_live"] = o.get("restarted_reserved_over_live")
+                v["restarted_plans_only_over_live"] = o.get("restarted_plans_only_reserved_over_live")
                 v["steady_state_reached"] = steady is not None
                 v["iterations_repeat"] = name not in NO_REPEATED_ITERATION
                 # The steady-state target is for traces whose iterations repeat.
@@ -1269,16 +1278,19 @@ def main() -> int:
                                f"{by[(n, 'pymemplan-planned')]['planning_seconds'] * 1e3:.1f}",
                                f"{by[(n, 'pymemplan-planned')]['ns_per_event_serving']:.0f}"]))
     if "pymemplan-planned" in policies:
-        print("\npymemplan-planned restarted with the plans its first run ended with "
-              "(pymemplan.save_plans / load_plans): peak reserved / peak live over the whole "
-              "trace, and the event from which a plan serves:\n")
-        print(table(["trace", "plans saved", "first run", "restarted", "plan serves from: first run",
-                     "restarted"],
+        print("\npymemplan-planned restarted with what its first run exported (pymemplan.save_plans / "
+              "load_plans): its plans and its prologue (the requests laid out in advance), or its "
+              "plans only (prologue:0); peak reserved / peak live over the whole trace, and the "
+              "event from which a plan serves:\n")
+        print(table(["trace", "plans saved", "prologue requests", "first run", "restarted",
+                     "restarted, plans only", "plan serves from: first run", "plans only"],
                     lambda n: [n, str(by[(n, 'pymemplan-planned')]['plans_saved']),
+                               f"{by[(n, 'pymemplan-planned')]['prologue_requests']:,}",
                                ratio(by[(n, 'pymemplan-planned')]['reserved_over_live']),
                                ratio(by[(n, 'pymemplan-planned')]['restarted_reserved_over_live']),
+                               ratio(by[(n, 'pymemplan-planned')]['restarted_plans_only_reserved_over_live']),
                                f"{by[(n, 'pymemplan-planned')]['steady_from_event'] or '–'}",
-                               f"{by[(n, 'pymemplan-planned')]['restarted_first_planned_event'] or '–'}"]))
+                               f"{by[(n, 'pymemplan-planned')]['restarted_plans_only_first_planned_event'] or '–'}"]))
     for v in verdicts:
         if not v["target_met"]:
             print(f"target missed: {v['policy']} on {v['trace']}: reserved/live "

@@ -21,11 +21,17 @@ POLICY = "pymemplan-planned"
 MiB = 1 << 20
 
 
-def run(trace, plans="", check_every=0):
-    """Replays `trace` through a fresh pymemplan-planned allocator that first imports `plans`
-    (allocator_checks.replay_checked). Returns (allocator, highest reserved, highest live)."""
+def plans_only(text):
+    """The plans of `text` without its prologue (for tests of how plans serve)."""
+    return text[: text.index("prologue ")] + "prologue 0 0\n"
+
+
+def run(trace, plans="", check_every=0, config=""):
+    """Replays `trace` through a fresh pymemplan-planned allocator (`config`) that first imports
+    `plans` (allocator_checks.replay_checked). Returns (allocator, highest reserved, highest
+    live)."""
     device = _core.SimulatedDevice(80 << 30)
-    alloc = _core.Allocator(device, POLICY, "")
+    alloc = _core.Allocator(device, POLICY, config)
     if plans:
         alloc.import_plans(plans)
     high, live_high = replay_checked(alloc, device, trace, check_every)
@@ -49,7 +55,7 @@ def test_plans_of_an_earlier_run_serve_the_next_one_from_its_first_step():
     refused at the end of the first step, packed above the peak of the run it comes from.)"""
     trace = random_training(33)
     alloc, _, _ = run(trace)
-    plans = alloc.export_plans()
+    plans = plans_only(alloc.export_plans())
     cold = replay(trace, [POLICY])[0]
     warm = replay(trace, [POLICY], plans=plans)[0]
     assert warm.peak_reserved_bytes < cold.peak_reserved_bytes
@@ -60,6 +66,65 @@ def test_plans_of_an_earlier_run_serve_the_next_one_from_its_first_step():
     assert high == warm.peak_reserved_bytes
     stats = alloc.plan_stats()
     assert stats["plans_imported"] >= 1 and stats["plan_hits"] > 0
+
+
+def test_a_restarted_run_is_laid_out_from_its_first_request_as_by_an_allocator_that_knew_it():
+    """Random training loop 11 (benchmarks/alloc_random.py): 2,630 events whose steps never
+    repeat, so no plan serves it; the pool holds 1.046 of live. Restarted with what its first
+    run exported, the whole run is its prologue, laid out before its first request: it holds
+    what the offline layout (pymemplan.traces.offline_layout, the same packer knowing every
+    lifetime) holds, 1.004, request for request at the prologue's offsets."""
+    from pymemplan.traces import offline_layout
+
+    trace = random_training(11)
+    first, high, live = run(trace)
+    text = first.export_plans()
+    allocations = int((trace.action == 0).sum())
+    assert f"\nprologue {len(trace)} {allocations}\n" in text
+    again, high_again, _ = run(trace, text, check_every=50)
+    assert high_again == offline_layout(trace).reserved_after_event.max() < high
+    assert high_again <= 1.005 * live < 1.04 * live < high
+    stats = again.plan_stats()
+    assert stats["prologue_hits"] == allocations and stats["fallbacks"] == 0
+
+
+def test_a_prologue_serves_until_the_steps_the_plans_describe():
+    """Random training loop 22: its first run holds 1.049 of live, in steps before its plans
+    serve. Its 1,070 requests are fewer than a prologue takes (65,536 by default: the whole run
+    would be one); with `prologue:1` it ends with the first pass a plan served whole, as a
+    longer run's does after its first 65,536. Restarted, the run is laid out from its prologue
+    to there (no plan arms meanwhile), and the plans serve from there on: 1.003 of live, the
+    offline layout's figure."""
+    trace = random_training(22)
+    first, high, live = run(trace, config="prologue:1")
+    text = first.export_plans()
+    slots = int(text.split("\nprologue ")[1].split()[1])
+    assert 0 < slots < int((trace.action == 0).sum())
+    again, high_again, _ = run(trace, text, check_every=50, config="prologue:1")
+    assert high_again <= 1.005 * live < 1.04 * live < high, (high_again / live, high / live)
+    stats = again.plan_stats()
+    assert stats["prologue_hits"] == slots and stats["prologue_serving"] == 0
+    assert stats["plan_hits"] > 0 and stats["armed"] == 1
+    assert stats["first_planned_request"] >= slots  # the plans take over where it ends
+
+
+def test_a_prologue_needs_the_run_from_its_start_virtual_memory_and_the_key():
+    trace = random_training(11)
+    text = run(trace)[0].export_plans()
+    assert run(trace, config="prologue:0")[0].export_plans().endswith("\nprologue 0 0\n")
+    off = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "prologue:0")
+    off.import_plans(text)
+    assert off.plan_stats()["prologue_serving"] == 0
+    late = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
+    late.free(late.malloc(MiB))
+    late.import_plans(text)
+    assert late.plan_stats()["prologue_serving"] == 0
+    classic = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "vmm:False")
+    classic.import_plans(text)
+    assert classic.plan_stats()["prologue_serving"] == 0
+    fresh = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
+    fresh.import_plans(text)
+    assert fresh.plan_stats()["prologue_serving"] == 1
 
 
 def test_a_loaded_plan_is_held_to_the_limit_it_was_accepted_against():
@@ -94,6 +159,7 @@ def test_a_dropped_plan_arms_again_for_less_than_its_last_pass_took():
                             80 << 30, 2 << 20, last_third, 0, plans)
 
     first = replayed()
+    first["plans"] = plans_only(first["plans"])
     again = replayed(first["plans"])
     assert again["steady_peak_reserved_bytes"] <= first["steady_peak_reserved_bytes"], (
         again["steady_peak_reserved_bytes"] / MiB, first["steady_peak_reserved_bytes"] / MiB)
@@ -106,14 +172,15 @@ def test_a_dropped_plan_arms_again_for_less_than_its_last_pass_took():
 
 def test_plans_round_trip_and_are_not_imported_twice(exported):
     trace, plans, _ = exported
-    assert plans.startswith("pymemplan-plans 1\npeak ")
+    assert plans.startswith("pymemplan-plans 2\npeak ")
     alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
     added = alloc.import_plans(plans)
     assert added >= 1
     assert alloc.plan_stats()["plans"] == added == alloc.plan_stats()["plans_imported"]
     assert alloc.import_plans(plans) == 0  # the same signatures: nothing new
-    # Plans that have not armed in this run are not written out: there are none yet.
-    assert alloc.export_plans().splitlines()[2] == "0"
+    # Plans that have not armed in this run are not written out: there are none yet, nor a
+    # prologue (no request yet).
+    assert alloc.export_plans().splitlines()[2:] == ["0", "prologue 0 0"]
     # max_plans bounds what is kept.
     one = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "max_plans:1")
     assert one.import_plans(plans) == 1
@@ -127,6 +194,10 @@ def test_plans_of_another_workload_change_nothing(exported):
     warm = replay(other, [POLICY], plans=plans)[0]
     assert warm.peak_reserved_bytes == cold.peak_reserved_bytes
     assert warm.steady_from_event == cold.steady_from_event
+    # Its prologue matched a few requests by their sizes, then none: dropped, its arena (with
+    # the blocks served there) now the pool's.
+    alloc, _, _ = run(other, plans, check_every=50)
+    assert alloc.plan_stats()["prologue_dropped"] == 1 and alloc.plan_stats()["prologue_serving"] == 0
 
 
 @pytest.mark.parametrize("seed", [38, 43])
@@ -154,7 +225,7 @@ def test_plans_of_alternating_shapes_serve_when_their_shape_comes_back():
 
     trace = grow_shrink()
     cold = replay(trace, [POLICY])[0]
-    warm = replay(trace, [POLICY], plans=cold.plans)[0]
+    warm = replay(trace, [POLICY], plans=plans_only(cold.plans))[0]
     assert warm.steady_from_event is not None
     assert warm.peak_reserved_bytes <= cold.peak_reserved_bytes
 
@@ -167,7 +238,7 @@ def test_a_loaded_plan_that_detection_finds_again_is_the_runs_own():
     the first run's."""
     trace = random_training(159)
     cold = replay(trace, [POLICY])[0]
-    warm = replay(trace, [POLICY], plans=cold.plans)[0]
+    warm = replay(trace, [POLICY], plans=plans_only(cold.plans))[0]
     assert warm.steady_from_event is not None
     assert warm.peak_reserved_bytes <= cold.peak_reserved_bytes
 
@@ -186,7 +257,14 @@ def test_without_virtual_memory_loaded_plans_wait_for_detection():
 BAD = [
     ("", "does not start with 'pymemplan-plans'"),
     ("hello world", "does not start with 'pymemplan-plans'"),
-    ("pymemplan-plans 2\npeak 0\n0\n", "its version is not 1"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0\n", "its version is not 1 or 2"),
+    ("pymemplan-plans 2\npeak 0\n0\n", "does not start with 'prologue'"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n512 0 10 1\n", "bad prologue event '10'"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 2\n512 0 3 1\n512 0 3 1\n", "bad prologue event '3'"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n512 0 4 7\n", "bad prologue lifetime '7'"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n1000 0 4 1\n", "prologue slot size 1000 is not a multiple"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 11\n", "bad number of prologue slots '11'"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 0 0\nextra", "goes on after its 0 plans and prologue"),
     ("pymemplan-plans 1\n0\n", "does not start with 'peak'"),
     ("pymemplan-plans 1\npeak -5\n0\n", "bad peak '-5'"),
     ("pymemplan-plans 1\npeak 0\n1\n", "plan 0 does not start with 'plan'"),
@@ -255,7 +333,10 @@ def test_edited_plans_are_refused_or_serve_safely(exported, data):
     trace, plans, _ = exported
     lines = plans.splitlines()
     period = int(lines[3].split()[1])
-    slots = [i for i, line in enumerate(lines) if i > 3 and not line.startswith("plan")]
+    prologue = next(i for i, line in enumerate(lines) if line.startswith("prologue"))
+    events = int(lines[prologue].split()[1])
+    # Slots of the plans and of the prologue (the run's first requests, laid out in advance).
+    slots = [i for i, line in enumerate(lines) if i > 3 and i != prologue and not line.startswith("plan")]
     for _ in range(data.draw(st.integers(1, 40))):
         i = data.draw(st.sampled_from(slots))
         size, stream, time, life = lines[i].split()
@@ -265,7 +346,7 @@ def test_edited_plans_are_refused_or_serve_safely(exported, data):
         elif field == "stream":
             stream = str(data.draw(st.sampled_from([0, 1, 7])))
         else:
-            life = str(data.draw(st.integers(0, period)))
+            life = str(data.draw(st.integers(0, period if i < prologue else events - int(time))))
         lines[i] = " ".join((size, stream, time, life))
     if data.draw(st.booleans()):  # and one word that is not a slot's number
         i = data.draw(st.sampled_from(slots))

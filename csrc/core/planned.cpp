@@ -103,6 +103,7 @@ constexpr PlannedKey kPlannedKeys[] = {
     {"search_rounds", &PlannedConfig::search_rounds, 0, 100000},
     {"plan_slack", &PlannedConfig::plan_slack, 0, 1000},
     {"holes", &PlannedConfig::holes, 0, 1},
+    {"prologue", &PlannedConfig::prologue, 0, std::size_t{1} << 18},
 };
 
 std::string planned_keys() {
@@ -187,6 +188,7 @@ PlannedAllocator::PlannedAllocator(std::shared_ptr<Device> device, PlannedConfig
   if (!device_) throw AllocatorError("PlannedAllocator needs a device");
   pool_ = std::make_unique<CachingAllocator>(device_, config_.pool);
   prefix_.push_back(0);
+  prologue_open_ = config_.prologue != 0;
 }
 
 std::size_t PlannedAllocator::page() const { return std::max<std::size_t>(device_->granularity(), 1); }
@@ -234,7 +236,52 @@ void PlannedAllocator::free(void* ptr) {
   live_bytes_ -= static_cast<std::int64_t>(l.size);
   const std::uint64_t g = record_event(e);
   if (l.event >= base_) ev(l.event).free_at = g;
+  if (prologue_open_ && l.id < prologue_.size()) prologue_[l.id].life = g - prologue_[l.id].start;
   detect();
+}
+
+void PlannedAllocator::close_prologue() {
+  prologue_open_ = false;
+  prologue_events_ = base_ + events_.size();
+  for (PrologueSlot& q : prologue_) {
+    if (q.life == 0) q.life = prologue_events_ - q.start;
+  }
+}
+
+void* PlannedAllocator::serve_prologue(std::size_t rounded, std::int64_t size, StreamId stream) {
+  const std::size_t end = std::min(loaded_.size(), loaded_cursor_ + kPrologueWindow);
+  std::size_t j = loaded_cursor_;
+  while (j < end && !(loaded_[j].size == rounded && loaded_[j].stream == stream)) ++j;
+  if (j == end) {
+    // Not the run the prologue was recorded from (other shapes, other data), or not here.
+    if (++loaded_misses_ > kPrologueMisses) {
+      prologue_dropped_ = true;
+      end_prologue();
+    }
+    return nullptr;
+  }
+  loaded_misses_ = 0;
+  loaded_skipped_ += j - loaded_cursor_;
+  loaded_cursor_ = j + 1;
+  // A range still taken (a block that lives longer in this run) or not safe for the stream:
+  // the pool serves the request.
+  void* out = pool_->allocate_at(loaded_arena_, loaded_[j].offset, rounded, size, stream);
+  if (out != nullptr) ++prologue_hits_;
+  if (loaded_skipped_ > kPrologueMisses && loaded_skipped_ * 8 > loaded_cursor_) {
+    prologue_dropped_ = true;
+    end_prologue();
+  } else if (loaded_cursor_ == loaded_.size()) {
+    end_prologue();
+  }
+  return out;
+}
+
+void PlannedAllocator::end_prologue() {
+  if (loaded_arena_ == 0) return;
+  pool_->retire_arena(loaded_arena_);
+  loaded_arena_ = 0;
+  loaded_.clear();
+  loaded_.shrink_to_fit();
 }
 
 void PlannedAllocator::record_stream(void* ptr, StreamId stream) {
@@ -316,6 +363,10 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("mid_pass_arms", num(mid_pass_arms_));
   put("marks", num(marks_));
   put("plans_imported", num(imported_));
+  put("prologue_recorded", num(prologue_.size()));
+  put("prologue_hits", num(prologue_hits_));
+  put("prologue_serving", loaded_arena_ != 0 ? 1.0 : 0.0);
+  put("prologue_dropped", prologue_dropped_ ? 1.0 : 0.0);
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
   put("plan_coverage", last_coverage_);
@@ -343,15 +394,18 @@ std::pair<std::size_t, std::vector<PackBlock>> PlannedAllocator::last_plan_block
 }
 
 // ---------------------------------------------------------------------------------------------
-// Plans across runs. The text: a header line ("pymemplan-plans 1"), "peak <bytes>" (the
+// Plans across runs. The text: a header line ("pymemplan-plans 2"), "peak <bytes>" (the
 // highest reserved of the run that wrote it), the number of plans, then per plan a line
 // "plan <period> <signature> <slots>" and one line per slot, "<size> <stream> <time> <life>"
 // (rounded size; time since the cut; life 0: the pool serves it). Blocks are the slots with
-// a life; the signature is the hash detection keys plans by (build_plan).
+// a life; the signature is the hash detection keys plans by (build_plan). Then the prologue:
+// "prologue <events> <slots>" and one line per slot, "<size> <stream> <event> <life>" (the
+// event index of the request; life >= 1, to the prologue's end at most). Version 1, written
+// before prologues, has no such section and is still read.
 
 namespace {
 constexpr const char* kPlansHeader = "pymemplan-plans";
-constexpr int kPlansVersion = 1;
+constexpr int kPlansVersion = 2;
 }  // namespace
 
 std::string PlannedAllocator::export_plans() const {
@@ -370,6 +424,15 @@ std::string PlannedAllocator::export_plans() const {
       const std::size_t life = p->slot_block[j] == kNoOffset ? 0 : p->blocks[p->slot_block[j]].life;
       o << slot.size << ' ' << slot.stream << ' ' << slot.time << ' ' << life << '\n';
     }
+  }
+  // Still recording: the prologue is the run so far.
+  const std::uint64_t events = prologue_open_ ? base_ + events_.size() : prologue_events_;
+  const std::size_t n = prologue_.size() > kPrefix ? prologue_.size() : 0;
+  o << "prologue " << (n != 0 ? events : 0) << ' ' << n << '\n';
+  for (std::size_t j = 0; j < n; ++j) {
+    const PrologueSlot& q = prologue_[j];
+    o << q.size << ' ' << q.stream << ' ' << q.start << ' ' << (q.life != 0 ? q.life : events - q.start)
+      << '\n';
   }
   return o.str();
 }
@@ -400,8 +463,9 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
   if (!(in >> header) || header != kPlansHeader) {
     throw fail("it does not start with '" + std::string(kPlansHeader) + "'");
   }
-  if (number("version", 0, kMax) != kPlansVersion) {
-    throw fail("its version is not " + std::to_string(kPlansVersion));
+  const std::uint64_t version = number("version", 0, kMax);
+  if (version != 1 && version != kPlansVersion) {
+    throw fail("its version is not 1 or " + std::to_string(kPlansVersion));
   }
   std::string word0;
   if (!(in >> word0) || word0 != "peak") throw fail("the line after the header does not start with 'peak'");
@@ -434,8 +498,36 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     }
     read.push_back(std::move(p));
   }
+  std::vector<PrologueSlot> prologue;
+  std::uint64_t prologue_events = 0;
+  if (version >= 2) {
+    std::string word;
+    if (!(in >> word) || word != "prologue") {
+      throw fail("the line after the plans does not start with 'prologue'");
+    }
+    prologue_events = number("prologue events", 0, kMax / 2);
+    const std::uint64_t n =
+        number("number of prologue slots", 0, std::min<std::uint64_t>(kPrologueCap, prologue_events));
+    std::uint64_t next = 0;
+    for (std::uint64_t j = 0; j < n; ++j) {
+      PrologueSlot q;
+      q.size = number("prologue slot size", kAlign, std::numeric_limits<std::int64_t>::max());
+      if (q.size % kAlign != 0) {
+        throw fail("prologue slot size " + std::to_string(q.size) + " is not a multiple of " +
+                   std::to_string(kAlign));
+      }
+      q.stream = number("stream", 0, kMax);
+      q.start = number("prologue event", next, prologue_events - 1);  // one request per event, in order
+      next = q.start + 1;
+      q.life = number("prologue lifetime", 1, prologue_events - q.start);
+      prologue.push_back(q);
+    }
+  }
   std::string rest;
-  if (in >> rest) throw fail("it goes on after its " + std::to_string(count) + " plans ('" + rest + "')");
+  if (in >> rest) {
+    throw fail("it goes on after its " + std::to_string(count) +
+               (version >= 2 ? " plans and prologue ('" : " plans ('") + rest + "')");
+  }
 
   std::lock_guard<std::mutex> lock(mutex_);
   std::size_t added = 0;
@@ -457,6 +549,30 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     ++added;
   }
   imported_ += added;
+  // Laid out only before this run's first request (it describes a run from its start), and
+  // with virtual memory: its arena maps pages as its blocks come, as the pool's segments do.
+  if (prologue.size() > kPrefix && allocs_ == 0 && loaded_arena_ == 0 && config_.pool.vmm &&
+      config_.prologue != 0) {
+    std::vector<PackBlock> blocks;
+    blocks.reserve(prologue.size());
+    for (const PrologueSlot& q : prologue) blocks.push_back({q.start, q.life, q.size});
+    const auto t0 = std::chrono::steady_clock::now();
+    const PackResult r = pack_blocks(blocks, prologue_events,
+                                     std::max<std::size_t>(config_.search_rounds, kPrologueRounds), page());
+    pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::uintptr_t arena = 0;
+    try {
+      arena = pool_->create_arena(r.arena);
+    } catch (const DeviceError&) {
+      arena = 0;  // no address range for it: the pool serves the run, as without a prologue
+    }
+    if (arena != 0) {
+      for (std::size_t j = 0; j < prologue.size(); ++j) prologue[j].offset = r.offsets[j];
+      loaded_ = std::move(prologue);
+      loaded_arena_ = arena;
+      loaded_cap_ = static_cast<std::size_t>(peak);
+    }
+  }
   return added;
 }
 
@@ -593,10 +709,14 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
       ++slot_busy_;
     }
   }
-  if (out == nullptr) {
+  if (out == nullptr && loaded_arena_ != 0) {
+    out = serve_prologue(rounded, static_cast<std::int64_t>(size), stream);
+  } else if (out == nullptr && slot != nullptr && !slot->planned && armed_) {
     // A slot the plan has no offset for (its lifetime was unknown when the plan was made):
     // counted, so that the plan is made again from a pass where every lifetime is known.
-    if (slot != nullptr && !slot->planned && armed_) pass_unplanned_bytes_ += rounded;
+    pass_unplanned_bytes_ += rounded;
+  }
+  if (out == nullptr) {
     out = pool_->try_malloc(static_cast<std::int64_t>(size), stream);
     ++fallbacks_;
   }
@@ -611,6 +731,15 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
   e.alloc = true;
   e.live_before = live_bytes_;
   const std::uint64_t g = record_event(e);
+  if (prologue_open_) {
+    // It ends in boundary(), or at kPrologueCap requests, or before a request that failed
+    // (no lifetime to record).
+    if (out == nullptr || id != prologue_.size() || prologue_.size() >= kPrologueCap) {
+      close_prologue();
+    } else {
+      prologue_.push_back({rounded, stream, g, 0, 0});
+    }
+  }
   if (out == nullptr) pass_failed_ = true;  // its free will not come: the pass is cut short
   if (out != nullptr) {
     live_.emplace(reinterpret_cast<std::uintptr_t>(out), Live{id, g, size});
@@ -790,6 +919,9 @@ bool PlannedAllocator::boundary(bool arm_now) {
   }
   if (armed_ && !partial) {
     note_pass(n, p.period);
+    // Past `prologue` requests (config), the prologue ends with the next pass a plan served
+    // whole: at a cut, where the plans of the steps arm in a run that imports it.
+    if (prologue_open_ && prologue_.size() >= config_.prologue) close_prologue();
     if (kept_floor_ > armed_footprint_) trim_kept();
   }
   // Made again from the pass that just ended (a remake, or a refinement), the plan arms anew
@@ -1222,6 +1354,12 @@ bool PlannedAllocator::arm(int v) {
   const bool after_drop = p.dropped_at == high;
   if (after_drop && p.awaiting_pool_pass) return false;
   if (p.refused_at[v] == high && !after_drop) return false;
+  // No plan arms while the prologue serves: it lays out the run up to the end of a pass a
+  // plan served whole in the run it was recorded from, a cut where plans arm (ended earlier
+  // by an arming, its layout, made for what was to come, held more than the plans' did:
+  // bloom_4l restarted 1.014 -> 1.069).
+  if (loaded_arena_ != 0) return false;
+  const bool after_prologue = prologue_hits_ != 0 && armed_footprint_ == 0;
   pool_->unclaim_all();  // holes of an earlier arming are free space again
   // What the pool holds beyond its live blocks goes back (and the arena's pages beyond what
   // this plan needs), so that the steady state holds live pool blocks plus the arena.
@@ -1263,6 +1401,12 @@ bool PlannedAllocator::arm(int v) {
     // optimizer made its state) is no measure of what the steps ahead will take. It may take
     // this run as high as the run it comes from went, no higher.
     limit = std::max(limit, p.cap);
+  }
+  if (after_prologue) {
+    // The first plan after an imported prologue: the prologue's layout, made knowing the run,
+    // held less than the pool had, and the plan packed around what it leaves may need more.
+    // It may take this run as high as the run the prologue comes from went.
+    limit = std::max(limit, loaded_cap_);
   }
   if (mid_pass_need_ != 0) {
     // A plan just made, armed for the rest of the pass it was found in (arm_mid_pass()): held

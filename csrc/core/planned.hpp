@@ -149,6 +149,10 @@ namespace pymemplan {
 //   holes            1: blocks of a plan go first to the free parts of pages      default 1
 //                    that blocks outliving the period keep mapped (packing.hpp
 //                    fill_holes); 0: everything to the arena
+//   prologue         the run's first requests are recorded for export_plans()  default 65536
+//                    until at least this many, then to the end of the next
+//                    pass a plan serves whole (at most kPrologueCap); 0: no
+//                    prologue is recorded, and none imported is served
 // The pool's share_pages key (config.hpp) also decides whether, at each arming, pages that
 // blocks outliving the period keep partly used are paired where their live bytes lie at
 // disjoint offsets (CachingAllocator::share_pages).
@@ -162,6 +166,7 @@ struct PlannedConfig {
   std::size_t search_rounds = 0;
   std::size_t plan_slack = 10;
   std::size_t holes = 1;
+  std::size_t prologue = std::size_t{1} << 16;
 
   // Throws AllocatorError naming the bad key or value and listing the valid keys.
   static PlannedConfig parse(const std::string& conf);
@@ -230,6 +235,20 @@ class PlannedAllocator : public Allocator {
   // by detection, it is a plan of this run. Its offsets are computed at arming, against this
   // run's pool. Slots on a stream other than the default one match only if the stream has
   // the same id. Bad text raises AllocatorError, and nothing is added.
+  //
+  // The text also carries the run's prologue: its requests from its first one (config key
+  // `prologue`: at least that many, then to the end of the next pass a plan serves whole;
+  // all of a shorter run), each with its rounded size, stream, event and lifetime (to the
+  // prologue's end for blocks still alive then). A run that imports it before its first
+  // request lays the prologue out at once, as an allocator that knew it in advance would
+  // (the packer of plans over the whole stretch: the parameters, the first steps, the
+  // optimizer's state made in them), and serves each request that matches the next slot
+  // (size and stream; a few slots may be passed over) at its offset in an arena of its own.
+  // No plan arms meanwhile. A request the prologue does not have goes to the pool; many in a
+  // row, or many slots passed over, and the prologue is dropped. Once its last slot is
+  // served, its arena, with the blocks alive in it, joins the pool (best fit serves its free
+  // space), and plans arm at their cuts; the first may take the run as high as the run the
+  // prologue comes from went.
   std::string export_plans() const;
   std::size_t import_plans(const std::string& text);
 
@@ -237,6 +256,17 @@ class PlannedAllocator : public Allocator {
   static constexpr std::size_t kNoOffset = std::numeric_limits<std::size_t>::max();
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
   static constexpr std::size_t kPrefix = 8;
+  // The prologue (export_plans()): at most this many requests are recorded; a run matches
+  // each request against the next kPrologueWindow slots, and drops the prologue after
+  // kPrologueMisses requests in a row that match none, or when the slots passed over exceed
+  // an eighth of those served (and kPrologueMisses).
+  static constexpr std::size_t kPrologueCap = std::size_t{1} << 18;
+  static constexpr std::size_t kPrologueWindow = 16;
+  static constexpr std::size_t kPrologueMisses = 32;
+  // Randomized packer runs for the prologue (packing.hpp), once per run: on a generation
+  // loop whose cache blocks grow a token at a time, 8 took its layout from 1.062 to 1.017 of
+  // the live bytes.
+  static constexpr std::size_t kPrologueRounds = 8;
 
   struct Event {
     std::uint64_t token = 0;
@@ -413,6 +443,13 @@ class PlannedAllocator : public Allocator {
   // now: their slots get blocks. Only while the plan's window is in the history.
   void refresh(Plan& p);
   void adopt(std::size_t plan_index, std::size_t cursor);
+  // The prologue of this run (export_plans()): recording stops here, and blocks still alive
+  // live to its end.
+  void close_prologue();
+  // A request served from an imported prologue, or nullptr (the pool serves it).
+  void* serve_prologue(std::size_t rounded, std::int64_t size, StreamId stream);
+  // The imported prologue serves no more: its arena joins the pool.
+  void end_prologue();
   std::uint64_t recent_prefix_hash() const;
 
   std::shared_ptr<Device> device_;
@@ -466,6 +503,24 @@ class PlannedAllocator : public Allocator {
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
   std::unordered_map<std::uintptr_t, Live> live_;
+
+  // The prologue: this run's (recorded), and one imported (served).
+  struct PrologueSlot {
+    std::size_t size = 0;      // rounded
+    StreamId stream = 0;
+    std::uint64_t start = 0;   // event index
+    std::uint64_t life = 0;    // events; 0 while alive and recording
+    std::size_t offset = 0;    // in the arena (imported)
+  };
+  std::vector<PrologueSlot> prologue_;
+  bool prologue_open_ = true;
+  std::uint64_t prologue_events_ = 0;  // events it spans, once closed
+  std::vector<PrologueSlot> loaded_;
+  std::size_t loaded_cap_ = 0;         // the highest reserved of the run it comes from
+  std::uintptr_t loaded_arena_ = 0;    // 0: no imported prologue serves
+  std::size_t loaded_cursor_ = 0, loaded_misses_ = 0, loaded_skipped_ = 0;
+  std::uint64_t prologue_hits_ = 0;
+  bool prologue_dropped_ = false;  // ended by misses rather than by its last slot
 
   // Figures.
   std::uint64_t first_planned_ = kNever;
