@@ -108,6 +108,29 @@ def test_a_prologue_serves_until_the_steps_the_plans_describe():
     assert stats["first_planned_request"] >= slots  # the plans take over where it ends
 
 
+def test_a_restart_that_loads_a_checkpoint_drops_the_prologue_and_records_its_own():
+    """Random training loop 33, restarted after loading a checkpoint its first run did not (40
+    tensors made and dropped first). Its first requests match none of the prologue's: dropped
+    at once, the run is served as with the plans alone (1.003 of live). It records its own
+    prologue, loading included, which the next restart matches: 1.0006, the offline layout's."""
+    from pymemplan.traces.trace import Trace
+
+    trace = random_training(33)
+    base = int(trace.ptr.max()) + 1
+    load = ([(0, base + k, (k + 3) * 700_001, 0, 0.0) for k in range(40)]
+            + [(1, base + k, (k + 3) * 700_001, 0, 0.0) for k in range(40)])
+    events = zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+                 trace.stream.tolist(), trace.time.tolist())
+    restart = Trace.from_events(load + list(events), name="restart")
+    first_plans = run(trace)[0].export_plans()
+    once, high_once, live = run(restart, first_plans, check_every=50)
+    assert once.plan_stats()["prologue_dropped"] == 1 and once.plan_stats()["prologue_hits"] == 0
+    assert high_once == run(restart, plans_only(first_plans))[1]
+    twice, high_twice, _ = run(restart, once.export_plans(), check_every=50)
+    assert twice.plan_stats()["prologue_dropped"] == 0 and twice.plan_stats()["prologue_hits"] > 900
+    assert high_twice <= 1.001 * live < high_once
+
+
 def test_a_prologue_needs_the_run_from_its_start_virtual_memory_and_the_key():
     trace = random_training(11)
     text = run(trace)[0].export_plans()
