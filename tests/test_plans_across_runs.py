@@ -131,6 +131,28 @@ def test_a_restart_that_loads_a_checkpoint_drops_the_prologue_and_records_its_ow
     assert high_twice <= 1.001 * live < high_once
 
 
+def test_the_plugin_saves_a_whole_prologue_without_plans():
+    """At exit the plugin writes the file only for a run worth it (pymemplan.allocator._plans):
+    one that armed a plan, or whose prologue is whole (65,536 requests: a job whose steps never
+    repeat, as generation), not a short run that armed none."""
+    import numpy as np
+
+    from pymemplan.allocator._plans import prologue_count, worth_saving
+
+    short = run(random_training(11))[0].export_plans()  # steps that never repeat: no plan
+    assert (short.splitlines()[2], prologue_count(short)) == ("0", 1355) and not worth_saving(short)
+    assert worth_saving(run(random_training(33))[0].export_plans())  # a plan armed
+    alloc = _core.Allocator(_core.SimulatedDevice(80 << 30), POLICY, "")
+    held = []
+    for size in np.random.default_rng(0).integers(1, 64, 70_000) * 4096:
+        held.append(alloc.malloc(int(size)))
+        if len(held) > 8:
+            alloc.free(held.pop(0))
+    long = alloc.export_plans()
+    assert long.splitlines()[2] == "0" and prologue_count(long) == 70_000 and worth_saving(long)
+    assert prologue_count("pymemplan-plans 1\npeak 0\n0\n") == 0  # version 1: none
+
+
 def test_a_prologue_needs_the_run_from_its_start_virtual_memory_and_the_key():
     trace = random_training(11)
     text = run(trace)[0].export_plans()

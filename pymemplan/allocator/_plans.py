@@ -37,6 +37,24 @@ def plan_count(text: str) -> int:
     return int(text.splitlines()[2])  # export_plans' third line
 
 
+# A run's prologue is worth a file of its own, with no plan armed, once it is this long (the
+# policy's default `prologue`): a job whose steps never repeat (generation), not a short
+# debugging run.
+WHOLE_PROLOGUE = 1 << 16
+
+
+def prologue_count(text: str) -> int:
+    """Requests in the prologue of export_plans' text (0 in a version-1 text, which has none)."""
+    at = text.find("\nprologue ")
+    return int(text[at:].split()[2]) if at >= 0 else 0
+
+
+def worth_saving(text: str) -> bool:
+    """Whether a run's export replaces the file of an earlier run: it armed a plan, or made
+    a whole prologue."""
+    return plan_count(text) > 0 or prologue_count(text) >= WHOLE_PROLOGUE
+
+
 def read_plans(template: str) -> dict[int, str]:
     """The plan files of `template` that exist, checked: {device: text}, device -1 for a path
     without {device}. Raises ValueError naming the file for text save_plans did not write."""
@@ -78,7 +96,8 @@ def stage(template: str, texts: dict[int, str]) -> None:
 
 
 def exported_plans() -> dict[int, str]:
-    """{device: text} of every device whose allocator armed plans in this run."""
+    """{device: text} of every device whose allocator armed plans, or made a whole prologue,
+    in this run."""
     lib = _library.load()
     out = {}
     for device in range(MAX_DEVICES):
@@ -86,14 +105,15 @@ def exported_plans() -> dict[int, str]:
             text = _library.read_text(lib.pymemplan_export_plans, device, "export_plans")
         except _library.PluginError:
             continue  # no allocator on this device
-        if plan_count(text) > 0:
+        if worth_saving(text):
             out[device] = text
     return out
 
 
 def save_at_exit(template: str) -> None:
-    """Writes the run's plans where read_plans found them. A run that armed none (a short
-    debugging run, a process that used no GPU) leaves the files of the last one as they are.
+    """Writes the run's plans where read_plans found them. A run that armed none and whose
+    prologue is short (a short debugging run, a process that used no GPU) leaves the files of
+    the last one as they are.
     At exit nothing can be raised to the program, so problems go to stderr."""
     try:
         texts = exported_plans()
