@@ -310,6 +310,9 @@ BAD = [
     ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n1000 0 4 1\n", "prologue slot size 1000 is not a multiple"),
     ("pymemplan-plans 2\npeak 0\n0\nprologue 10 11\n", "bad number of prologue slots '11'"),
     ("pymemplan-plans 2\npeak 0\n0\nprologue 0 0\nextra", "goes on after its 0 plans and prologue"),
+    ("pymemplan-plans 2\npeak 0\n0\nprologue 20 9\n"
+     + "".join(f"{1 << 62} 0 {k} 10\n" for k in range(9)),
+     "the prologue's slot sizes add up past 4611686018427387903 bytes"),
     ("pymemplan-plans 1\n0\n", "does not start with 'peak'"),
     ("pymemplan-plans 1\npeak -5\n0\n", "bad peak '-5'"),
     ("pymemplan-plans 1\npeak 0\n1\n", "plan 0 does not start with 'plan'"),
@@ -324,7 +327,7 @@ def test_import_plans_rejects_text_it_did_not_write(text, message):
     alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
     with pytest.raises(_core.AllocatorError, match="import_plans: .*" + message.replace("(", r"\(")):
         alloc.import_plans(text)
-    assert alloc.plan_stats()["plans"] == 0
+    assert alloc.plan_stats()["plans"] == 0 and alloc.plan_stats()["prologue_serving"] == 0
     p = alloc.malloc(3 * MiB)  # intact
     alloc.free(p)
 

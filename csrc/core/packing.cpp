@@ -279,8 +279,7 @@ struct Timeline {
 };
 
 void check_blocks(const std::vector<PackBlock>& blocks, std::size_t period, const char* who) {
-  // Offsets are sums of sizes: their total must leave room to add one more (no overflow).
-  constexpr std::size_t kMaxTotal = std::numeric_limits<std::size_t>::max() / 4;
+  constexpr std::size_t kMaxTotal = kMaxPackTotal;
   std::size_t total = 0;
   for (const PackBlock& b : blocks) {
     if (b.start >= period || b.life == 0 || b.life > period) {

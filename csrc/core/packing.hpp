@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <vector>
 
 namespace pymemplan {
@@ -42,6 +43,10 @@ struct PackBlock {
   std::size_t life = 1;
   std::size_t size = 0;
 };
+
+// The most the sizes of the blocks of one packing may add up to: offsets are sums of sizes,
+// and their total must leave room to add one more (no overflow).
+constexpr std::size_t kMaxPackTotal = std::numeric_limits<std::size_t>::max() / 4;
 
 struct PackResult {
   std::vector<std::size_t> offsets;  // one per block, in the input order

@@ -508,10 +508,14 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     prologue_events = number("prologue events", 0, kMax / 2);
     const std::uint64_t n =
         number("number of prologue slots", 0, std::min<std::uint64_t>(kPrologueCap, prologue_events));
-    std::uint64_t next = 0;
+    std::uint64_t next = 0, total = 0;
     for (std::uint64_t j = 0; j < n; ++j) {
       PrologueSlot q;
       q.size = number("prologue slot size", kAlign, std::numeric_limits<std::int64_t>::max());
+      if (q.size > kMaxPackTotal - total) {  // the packer's bound: no layout holds more
+        throw fail("the prologue's slot sizes add up past " + std::to_string(kMaxPackTotal) + " bytes");
+      }
+      total += q.size;
       if (q.size % kAlign != 0) {
         throw fail("prologue slot size " + std::to_string(q.size) + " is not a multiple of " +
                    std::to_string(kAlign));
