@@ -108,6 +108,19 @@ def test_a_prologue_serves_until_the_steps_the_plans_describe():
     assert stats["first_planned_request"] >= slots  # the plans take over where it ends
 
 
+def test_the_first_plan_after_a_prologue_may_take_the_run_as_high_as_the_run_it_comes_from():
+    """Random training loop 483 (85 MiB live; 1.057 of live in its first run), restarted with
+    a prologue that ends at the first pass a plan served whole (`prologue:1`). The prologue's
+    layout holds less than the first run's pool did; held to that, the plan packed around it
+    was refused and the pool served the rest at 1.080. Allowed up to the first run's peak, the
+    plan serves: 1.033."""
+    trace = random_training(483)
+    first, high, live = run(trace, config="prologue:1")
+    again, high_again, _ = run(trace, first.export_plans(), check_every=50, config="prologue:1")
+    assert again.plan_stats()["prologue_hits"] > 0 and again.plan_stats()["plan_hits"] > 0
+    assert high_again <= 1.035 * live < high
+
+
 def test_a_restart_that_loads_a_checkpoint_drops_the_prologue_and_records_its_own():
     """Random training loop 33, restarted after loading a checkpoint its first run did not (40
     tensors made and dropped first). Its first requests match none of the prologue's: dropped
