@@ -15,7 +15,7 @@ from pymemplan.traces import replay
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from synthetic_traces import random_training  # noqa: E402
+from synthetic_traces import evaluation_loop, random_training  # noqa: E402
 
 POLICY = "pymemplan-planned"
 MiB = 1 << 20
@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 def plans_only(text):
     """The plans of `text` without its prologue (for tests of how plans serve)."""
-    return text[: text.index("prologue ")] + "prologue 0 0\n"
+    return text[: text.index("prologue ")] + "prologue 0 0 0\n"
 
 
 def run(trace, plans="", check_every=0, config=""):
@@ -80,7 +80,7 @@ def test_a_restarted_run_is_laid_out_from_its_first_request_as_by_an_allocator_t
     first, high, live = run(trace)
     text = first.export_plans()
     allocations = int((trace.action == 0).sum())
-    assert f"\nprologue {len(trace)} {allocations}\n" in text
+    assert f"\nprologue {len(trace)} {allocations} 0\n" in text  # no plan: the run was all prologue
     again, high_again, _ = run(trace, text, check_every=50)
     assert high_again == offline_layout(trace).reserved_after_event.max() < high
     assert high_again <= 1.005 * live < 1.04 * live < high
@@ -119,6 +119,37 @@ def test_the_first_plan_after_a_prologue_may_take_the_run_as_high_as_the_run_it_
     again, high_again, _ = run(trace, first.export_plans(), check_every=50, config="prologue:1")
     assert again.plan_stats()["prologue_hits"] > 0 and again.plan_stats()["plan_hits"] > 0
     assert high_again <= 1.035 * live < high
+
+
+def test_the_plan_whose_pass_ended_the_prologue_takes_over_where_it_ends():
+    """Evaluation loop 120 (benchmarks/alloc_random.py --loops evaluation): training steps of
+    80 events, an evaluation step every few, 4,206 events; its first run holds 1.116 of live
+    (in its first steps), and from early on a plan of a whole cycle (522 events) serves it.
+    With a prologue of at least 1,261 requests (as a run longer than 65,536 does), the
+    prologue ends at the end of a pass of that plan, and the text names it. Restarted, that
+    plan arms at once where the prologue ends: 1.046 of live. A version-2 text, which does
+    not name it, leaves the hand-over to detection: the plan of one step, adopted by the
+    stream's last requests, arms before an evaluation step it does not describe, and the run
+    goes to 1.186, above its first run."""
+    trace = evaluation_loop(120)
+    config = "prologue:1261"
+    first, high, live = run(trace, config=config)
+    text = first.export_plans()
+    events, slots, plan = map(int, text.split("\nprologue ")[1].split()[:3])
+    assert 1261 <= slots < int((trace.action == 0).sum())
+    named = [line.split() for line in text.splitlines() if line.startswith("plan ")]
+    assert plan in {int(sig) for _, _, sig, _ in named}
+    again, high_again, _ = run(trace, text, check_every=50, config=config)
+    stats = again.plan_stats()
+    assert stats["prologue_hits"] == slots and stats["first_planned_request"] == slots
+    assert stats["fallbacks"] == 0 and stats["arms"] == 1
+    assert high_again <= 1.05 * live < high, (high_again / live, high / live)
+    # The same text as version 2 wrote it (no plan named) is still read, and served as then.
+    old = text.replace("pymemplan-plans 3", "pymemplan-plans 2", 1).replace(
+        f"\nprologue {events} {slots} {plan}\n", f"\nprologue {events} {slots}\n")
+    before, high_before, _ = run(trace, old, config=config)
+    assert before.plan_stats()["prologue_hits"] == slots
+    assert high_before > 1.15 * live > high_again, high_before / live
 
 
 def test_a_restart_that_loads_a_checkpoint_drops_the_prologue_and_records_its_own():
@@ -169,7 +200,7 @@ def test_the_plugin_saves_a_whole_prologue_without_plans():
 def test_a_prologue_needs_the_run_from_its_start_virtual_memory_and_the_key():
     trace = random_training(11)
     text = run(trace)[0].export_plans()
-    assert run(trace, config="prologue:0")[0].export_plans().endswith("\nprologue 0 0\n")
+    assert run(trace, config="prologue:0")[0].export_plans().endswith("\nprologue 0 0 0\n")
     off = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "prologue:0")
     off.import_plans(text)
     assert off.plan_stats()["prologue_serving"] == 0
@@ -230,7 +261,7 @@ def test_a_dropped_plan_arms_again_for_less_than_its_last_pass_took():
 
 def test_plans_round_trip_and_are_not_imported_twice(exported):
     trace, plans, _ = exported
-    assert plans.startswith("pymemplan-plans 2\npeak ")
+    assert plans.startswith("pymemplan-plans 3\npeak ")
     alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
     added = alloc.import_plans(plans)
     assert added >= 1
@@ -238,7 +269,7 @@ def test_plans_round_trip_and_are_not_imported_twice(exported):
     assert alloc.import_plans(plans) == 0  # the same signatures: nothing new
     # Plans that have not armed in this run are not written out: there are none yet, nor a
     # prologue (no request yet).
-    assert alloc.export_plans().splitlines()[2:] == ["0", "prologue 0 0"]
+    assert alloc.export_plans().splitlines()[2:] == ["0", "prologue 0 0 0"]
     # max_plans bounds what is kept.
     one = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "max_plans:1")
     assert one.import_plans(plans) == 1
@@ -315,15 +346,18 @@ def test_without_virtual_memory_loaded_plans_wait_for_detection():
 BAD = [
     ("", "does not start with 'pymemplan-plans'"),
     ("hello world", "does not start with 'pymemplan-plans'"),
-    ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0\n", "its version is not 1 or 2"),
-    ("pymemplan-plans 2\npeak 0\n0\n", "does not start with 'prologue'"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n512 0 10 1\n", "bad prologue event '10'"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 2\n512 0 3 1\n512 0 3 1\n", "bad prologue event '3'"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n512 0 4 7\n", "bad prologue lifetime '7'"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 1\n1000 0 4 1\n", "prologue slot size 1000 is not a multiple"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 10 11\n", "bad number of prologue slots '11'"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 0 0\nextra", "goes on after its 0 plans and prologue"),
-    ("pymemplan-plans 2\npeak 0\n0\nprologue 20 9\n"
+    ("pymemplan-plans 4\npeak 0\n0\nprologue 0 0 0\n", "its version is not 1 to 3"),
+    ("pymemplan-plans 0\npeak 0\n0\n", "its version is not 1 to 3"),
+    ("pymemplan-plans 3\npeak 0\n0\n", "does not start with 'prologue'"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0\n", "ends where prologue plan was expected"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0 -1\n", "bad prologue plan '-1'"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 10 1 0\n512 0 10 1\n", "bad prologue event '10'"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 10 2 0\n512 0 3 1\n512 0 3 1\n", "bad prologue event '3'"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 10 1 0\n512 0 4 7\n", "bad prologue lifetime '7'"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 10 1 0\n1000 0 4 1\n", "prologue slot size 1000 is not a multiple"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 10 11 0\n", "bad number of prologue slots '11'"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0 0\nextra", "goes on after its 0 plans and prologue"),
+    ("pymemplan-plans 3\npeak 0\n0\nprologue 20 9 0\n"
      + "".join(f"{1 << 62} 0 {k} 10\n" for k in range(9)),
      "the prologue's slot sizes add up past 4611686018427387903 bytes"),
     ("pymemplan-plans 1\n0\n", "does not start with 'peak'"),

@@ -256,7 +256,7 @@ void* PlannedAllocator::serve_prologue(std::size_t rounded, std::int64_t size, S
     // Not the run the prologue was recorded from (other shapes, other data), or not here.
     if (++loaded_misses_ > kPrologueMisses) {
       prologue_dropped_ = true;
-      end_prologue();
+      end_prologue(false);
     }
     return nullptr;
   }
@@ -269,19 +269,30 @@ void* PlannedAllocator::serve_prologue(std::size_t rounded, std::int64_t size, S
   if (out != nullptr) ++prologue_hits_;
   if (loaded_skipped_ > kPrologueMisses && loaded_skipped_ * 8 > loaded_cursor_) {
     prologue_dropped_ = true;
-    end_prologue();
+    end_prologue(false);
   } else if (loaded_cursor_ == loaded_.size()) {
-    end_prologue();
+    end_prologue(true);
   }
   return out;
 }
 
-void PlannedAllocator::end_prologue() {
+void PlannedAllocator::end_prologue(bool whole) {
   if (loaded_arena_ == 0) return;
   pool_->retire_arena(loaded_arena_);
   loaded_arena_ = 0;
   loaded_.clear();
   loaded_.shrink_to_fit();
+  if (!whole || loaded_plan_ == 0) return;
+  // The prologue ended where a pass of this plan ended in the run it comes from: the next
+  // request starts its next pass. Left to detection, the plan adopted by the stream's last
+  // requests arms at its own cut, which need not be here: a plan of one step armed before an
+  // evaluation step that the plan of a cycle of steps served in the earlier run.
+  for (std::size_t i = 0; i < plans_.size(); ++i) {
+    if (plans_[i].signature != loaded_plan_) continue;
+    plans_[i].validated = true;  // it served the pass that ends here, and this run matched
+    adopt(i, 0);
+    break;
+  }
 }
 
 void PlannedAllocator::record_stream(void* ptr, StreamId stream) {
@@ -399,13 +410,14 @@ std::pair<std::size_t, std::vector<PackBlock>> PlannedAllocator::last_plan_block
 // "plan <period> <signature> <slots>" and one line per slot, "<size> <stream> <time> <life>"
 // (rounded size; time since the cut; life 0: the pool serves it). Blocks are the slots with
 // a life; the signature is the hash detection keys plans by (build_plan). Then the prologue:
-// "prologue <events> <slots>" and one line per slot, "<size> <stream> <event> <life>" (the
-// event index of the request; life >= 1, to the prologue's end at most). Version 1, written
-// before prologues, has no such section and is still read.
+// "prologue <events> <slots> <plan>" and one line per slot, "<size> <stream> <event> <life>"
+// (the event index of the request; life >= 1, to the prologue's end at most); <plan> is the
+// signature of the plan whose pass ended the prologue, if it is among the plans written, else
+// 0. Versions 1 (no prologue) and 2 (no <plan>) are still read.
 
 namespace {
 constexpr const char* kPlansHeader = "pymemplan-plans";
-constexpr int kPlansVersion = 2;
+constexpr int kPlansVersion = 3;
 }  // namespace
 
 std::string PlannedAllocator::export_plans() const {
@@ -428,7 +440,10 @@ std::string PlannedAllocator::export_plans() const {
   // Still recording: the prologue is the run so far.
   const std::uint64_t events = prologue_open_ ? base_ + events_.size() : prologue_events_;
   const std::size_t n = prologue_.size() > kPrefix ? prologue_.size() : 0;
-  o << "prologue " << (n != 0 ? events : 0) << ' ' << n << '\n';
+  const bool plan_written = std::any_of(out.begin(), out.end(),
+                                       [&](const Plan* p) { return p->signature == prologue_plan_; });
+  o << "prologue " << (n != 0 ? events : 0) << ' ' << n << ' '
+    << (n != 0 && !prologue_open_ && plan_written ? prologue_plan_ : 0) << '\n';
   for (std::size_t j = 0; j < n; ++j) {
     const PrologueSlot& q = prologue_[j];
     o << q.size << ' ' << q.stream << ' ' << q.start << ' ' << (q.life != 0 ? q.life : events - q.start)
@@ -464,8 +479,8 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     throw fail("it does not start with '" + std::string(kPlansHeader) + "'");
   }
   const std::uint64_t version = number("version", 0, kMax);
-  if (version != 1 && version != kPlansVersion) {
-    throw fail("its version is not 1 or " + std::to_string(kPlansVersion));
+  if (version < 1 || version > kPlansVersion) {
+    throw fail("its version is not 1 to " + std::to_string(kPlansVersion));
   }
   std::string word0;
   if (!(in >> word0) || word0 != "peak") throw fail("the line after the header does not start with 'peak'");
@@ -499,7 +514,7 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     read.push_back(std::move(p));
   }
   std::vector<PrologueSlot> prologue;
-  std::uint64_t prologue_events = 0;
+  std::uint64_t prologue_events = 0, prologue_plan = 0;
   if (version >= 2) {
     std::string word;
     if (!(in >> word) || word != "prologue") {
@@ -508,6 +523,7 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     prologue_events = number("prologue events", 0, kMax / 2);
     const std::uint64_t n =
         number("number of prologue slots", 0, std::min<std::uint64_t>(kPrologueCap, prologue_events));
+    if (version >= 3) prologue_plan = number("prologue plan", 0, kMax);
     std::uint64_t next = 0, total = 0;
     for (std::uint64_t j = 0; j < n; ++j) {
       PrologueSlot q;
@@ -575,6 +591,7 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
       loaded_ = std::move(prologue);
       loaded_arena_ = arena;
       loaded_cap_ = static_cast<std::size_t>(peak);
+      loaded_plan_ = prologue_plan;
     }
   }
   return added;
@@ -925,7 +942,10 @@ bool PlannedAllocator::boundary(bool arm_now) {
     note_pass(n, p.period);
     // Past `prologue` requests (config), the prologue ends with the next pass a plan served
     // whole: at a cut, where the plans of the steps arm in a run that imports it.
-    if (prologue_open_ && prologue_.size() >= config_.prologue) close_prologue();
+    if (prologue_open_ && prologue_.size() >= config_.prologue) {
+      close_prologue();
+      prologue_plan_ = p.signature;
+    }
     if (kept_floor_ > armed_footprint_) trim_kept();
   }
   // Made again from the pass that just ended (a remake, or a refinement), the plan arms anew

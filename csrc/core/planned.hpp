@@ -247,8 +247,9 @@ class PlannedAllocator : public Allocator {
   // No plan arms meanwhile. A request the prologue does not have goes to the pool; many in a
   // row, or many slots passed over, and the prologue is dropped. Once its last slot is
   // served, its arena, with the blocks alive in it, joins the pool (best fit serves its free
-  // space), and plans arm at their cuts; the first may take the run as high as the run the
-  // prologue comes from went.
+  // space), and the plan whose pass ended the prologue in the run it comes from arms at once,
+  // at its cut (the other plans arm at theirs); the first to arm may take the run as high as
+  // the run the prologue comes from went.
   std::string export_plans() const;
   std::size_t import_plans(const std::string& text);
 
@@ -448,8 +449,9 @@ class PlannedAllocator : public Allocator {
   void close_prologue();
   // A request served from an imported prologue, or nullptr (the pool serves it).
   void* serve_prologue(std::size_t rounded, std::int64_t size, StreamId stream);
-  // The imported prologue serves no more: its arena joins the pool.
-  void end_prologue();
+  // The imported prologue serves no more: its arena joins the pool. Served to its last slot
+  // (`whole`), the plan that ended it in the run it comes from takes over at its cut.
+  void end_prologue(bool whole);
   std::uint64_t recent_prefix_hash() const;
 
   std::shared_ptr<Device> device_;
@@ -515,9 +517,11 @@ class PlannedAllocator : public Allocator {
   std::vector<PrologueSlot> prologue_;
   bool prologue_open_ = true;
   std::uint64_t prologue_events_ = 0;  // events it spans, once closed
+  std::uint64_t prologue_plan_ = 0;    // signature of the plan whose pass closed it; 0: none
   std::vector<PrologueSlot> loaded_;
   std::size_t loaded_cap_ = 0;         // the highest reserved of the run it comes from
   std::uintptr_t loaded_arena_ = 0;    // 0: no imported prologue serves
+  std::uint64_t loaded_plan_ = 0;      // its prologue_plan_
   std::size_t loaded_cursor_ = 0, loaded_misses_ = 0, loaded_skipped_ = 0;
   std::uint64_t prologue_hits_ = 0;
   bool prologue_dropped_ = false;  // ended by misses rather than by its last slot
