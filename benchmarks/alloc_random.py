@@ -12,7 +12,8 @@ with save_plans / load_plans ("restarted": its plans and its prologue, the run's
 requests laid out in advance; every run here is shorter than a prologue, so it is the whole
 run), with its plans only ("restarted, plans only": prologue:0), and with a prologue that
 ends with the first pass a plan served whole ("restarted, prologue to the first planned
-pass": prologue:1), which is where a run longer than a prologue goes over to its plans.
+pass": prologue:1) or with the first one after a third of the run's requests ("restarted,
+prologue to a third in"), which is where a run longer than a prologue goes over to its plans.
 
     python benchmarks/alloc_random.py              # 200 seeds, about 20 s
     python benchmarks/alloc_random.py --seeds 1000
@@ -56,9 +57,12 @@ TOLERANCE = 0.005
 # The same run again, pymemplan-planned starting with the plans the first run ended with
 # (save_plans / load_plans: a restarted job).
 RESTARTED = "pymemplan-planned, restarted"
-RESTARTED_VARIANTS = {"pymemplan-planned, restarted, plans only": "pymemplan-planned=prologue:0",
+# name -> the policy, given the number of requests in the run.
+RESTARTED_VARIANTS = {"pymemplan-planned, restarted, plans only": lambda n: "pymemplan-planned=prologue:0",
                       "pymemplan-planned, restarted, prologue to the first planned pass":
-                          "pymemplan-planned=prologue:1"}
+                          lambda n: "pymemplan-planned=prologue:1",
+                      "pymemplan-planned, restarted, prologue to a third in":
+                          lambda n: f"pymemplan-planned=prologue:{max(n // 3, 1)}"}
 CALLS = ("pymemplan-vmm", "pymemplan-planned")  # driver calls over the second half, counted
 
 
@@ -102,8 +106,9 @@ def main() -> int:
                 row[name + " steady"] = r.steady_peak_reserved_bytes / r.steady_peak_live_bytes
         row[RESTARTED] = replay(trace, ["pymemplan-planned"],
                                 plans=results["pymemplan-planned"].plans)[0].reserved_over_live
-        for name, policy in RESTARTED_VARIANTS.items():
-            # prologue:1 records a shorter prologue: its first run exports another text.
+        for name, variant in RESTARTED_VARIANTS.items():
+            policy = variant(int((trace.action == 0).sum()))
+            # A shorter prologue than the default: its first run exports another text.
             plans = (results["pymemplan-planned"].plans if policy.endswith(":0")
                      else replay(trace, [policy])[0].plans)
             row[name] = replay(trace, [policy], plans=plans)[0].reserved_over_live

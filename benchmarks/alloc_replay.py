@@ -1093,6 +1093,14 @@ def main() -> int:
                 alone = replay(trace, [plans_only], capacity=args.capacity, plans=obj.plans)[0]
                 r["restarted_plans_only_reserved_over_live"] = alone.reserved_over_live
                 r["restarted_plans_only_first_planned_event"] = alone.steady_from_event
+                # A run longer than a prologue goes over from it to its plans: here, with the
+                # first pass a plan serves whole after a third of the trace's requests.
+                third = max(int((trace.action == 0).sum()) // 3, 1)
+                handover = plans_only.replace("prologue:0", f"prologue:{third}")
+                recorded = replay(trace, [handover], capacity=args.capacity)[0].plans
+                r["restarted_handover_reserved_over_live"] = replay(
+                    trace, [handover], capacity=args.capacity, plans=recorded)[0].reserved_over_live
+                r["handover_prologue_requests"] = int(recorded.split("\nprologue ")[1].split()[1])
                 r["plans_saved"] = int(obj.plans.splitlines()[2])
                 r["prologue_requests"] = int(obj.plans.split("\nprologue ")[1].split()[1])
         # The largest capacity at which each policy still fails, and whether ours run at
@@ -1185,9 +1193,10 @@ def main() -> int:
                 # no plan ever served (no repeated iteration, or a plan that would not have
                 # beaten the pool), it is reported as not reached rather than as met.
                 # Informational: the same trace restarted with what its first run exported
-                # (plans and prologue), and with its plans only.
+                # (plans and prologue), with its plans only, and with a prologue to a third in.
                 v["restarted_over_live"] = o.get("restarted_reserved_over_live")
                 v["restarted_plans_only_over_live"] = o.get("restarted_plans_only_reserved_over_live")
+                v["restarted_handover_over_live"] = o.get("restarted_handover_reserved_over_live")
                 v["steady_state_reached"] = steady is not None
                 v["iterations_repeat"] = name not in NO_REPEATED_ITERATION
                 # The steady-state target is for traces whose iterations repeat.
@@ -1280,15 +1289,19 @@ def main() -> int:
     if "pymemplan-planned" in policies:
         print("\npymemplan-planned restarted with what its first run exported (pymemplan.save_plans / "
               "load_plans): its plans and its prologue (the requests laid out in advance), or its "
-              "plans only (prologue:0); peak reserved / peak live over the whole trace, and the "
-              "event from which a plan serves:\n")
+              "plans only (prologue:0), or its plans and a prologue that ends with the first pass a "
+              "plan served whole after a third of the trace's requests (where a run longer than a "
+              "prologue goes over to its plans); peak reserved / peak live over the whole trace, "
+              "and the event from which a plan serves:\n")
         print(table(["trace", "plans saved", "prologue requests", "first run", "restarted",
-                     "restarted, plans only", "plan serves from: first run", "plans only"],
+                     "restarted, plans only", "restarted, prologue to a third in",
+                     "plan serves from: first run", "plans only"],
                     lambda n: [n, str(by[(n, 'pymemplan-planned')]['plans_saved']),
                                f"{by[(n, 'pymemplan-planned')]['prologue_requests']:,}",
                                ratio(by[(n, 'pymemplan-planned')]['reserved_over_live']),
                                ratio(by[(n, 'pymemplan-planned')]['restarted_reserved_over_live']),
                                ratio(by[(n, 'pymemplan-planned')]['restarted_plans_only_reserved_over_live']),
+                               ratio(by[(n, 'pymemplan-planned')]['restarted_handover_reserved_over_live']),
                                f"{by[(n, 'pymemplan-planned')]['steady_from_event'] or '–'}",
                                f"{by[(n, 'pymemplan-planned')]['restarted_plans_only_first_planned_event'] or '–'}"]))
     for v in verdicts:

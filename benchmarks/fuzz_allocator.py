@@ -41,6 +41,10 @@ CONFIGS = [
 ]
 
 
+HANDOVER = "restarted, prologue to a third in"
+RESTARTS = ("restarted", "restarted, plans only", HANDOVER)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", type=int, default=10_000_000, help="operations per configuration")
@@ -64,31 +68,41 @@ def main() -> int:
         if periodic and policy == "pymemplan-planned":
             # The same programs again, half as long, restarted with what this run exported
             # (save_plans / load_plans): its prologue, laid out in advance (the whole restarted
-            # run, which is shorter than a prologue), then, with prologue:0, the plans alone,
-            # whose offsets were packed in another run.
+            # run, which is shorter than a prologue); with prologue:0, the plans alone, whose
+            # offsets were packed in another run; and a prologue that ends a third into the
+            # run (recorded so by a run of its own), where its plans take over.
+            def again(extra, text):
+                return _core.fuzz(args.ops // 2, seed=args.seed + i, policy=policy,
+                                  config=",".join(c for c in (config, extra) if c),
+                                  capacity=capacity, limit=limit, streams=streams,
+                                  manual_events=manual, full_check_every=1000, periodic=True,
+                                  plans=text)
+
+            keep = ("ops", "mallocs", "plans_imported", "plan_hits", "prologue_hits",
+                    "prologue_handover", "ooms")
             for key, extra in (("restarted", ""), ("restarted, plans only", "prologue:0")):
-                again = _core.fuzz(args.ops // 2, seed=args.seed + i, policy=policy,
-                                   config=",".join(c for c in (config, extra) if c),
-                                   capacity=capacity, limit=limit, streams=streams,
-                                   manual_events=manual, full_check_every=1000, periodic=True,
-                                   plans=plans)
-                run[key] = {k: again[k] for k in ("ops", "plans_imported", "plan_hits",
-                                                  "prologue_hits", "ooms")}
+                report_again = again(extra, plans)
+                run[key] = {k: report_again[k] for k in keep}
+            third = f"prologue:{min(run['restarted']['mallocs'] // 3 + 1, 1 << 18)}"  # the key's most
+            recorded = again(third, "")
+            report_again = again(third, recorded["plans"])
+            run[HANDOVER] = {k: report_again[k] for k in keep}
+            run[HANDOVER]["ops"] += recorded["ops"]  # the run that recorded it counts too
         runs.append(run)
         hits = (f"  {report['plan_hits']:>9,} plan hits ({report['plan_tail_layouts']} from a page's tail)"
                 if policy == "pymemplan-planned" else "")
         print(f"{policy:17s} {config:48s} {'periodic ' if periodic else '':9s}"
               f"{report['ops']:>11,} ops  {report['ooms']:>8,} OOMs  "
               f"{report['full_checks']:>6,} full checks{hits}  {seconds:6.1f} s  ok", flush=True)
-        for key in ("restarted", "restarted, plans only"):
+        for key in RESTARTS:
             if key in run:
                 r = run[key]
                 print(f"{'':17s} {key + ' (its export)':48s} {'':9s}{r['ops']:>11,} ops  "
                       f"{r['ooms']:>8,} OOMs  {r['plans_imported']} plans imported  "
-                      f"{r['plan_hits']:>9,} plan hits  {r['prologue_hits']:>9,} from the prologue  ok",
+                      f"{r['plan_hits']:>9,} plan hits  {r['prologue_hits']:>9,} from the prologue"
+                      + ("  (its plan took over)" if r["prologue_handover"] else "") + "  ok",
                       flush=True)
-    total = sum(r["ops"] + r.get("restarted", {}).get("ops", 0) + r.get("restarted, plans only", {}).get("ops", 0)
-                for r in runs)
+    total = sum(r["ops"] + sum(r.get(key, {}).get("ops", 0) for key in RESTARTS) for r in runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"total_ops": total, "violations": 0, "runs": runs}, indent=2) + "\n")

@@ -142,13 +142,13 @@ def test_the_plan_whose_pass_ended_the_prologue_takes_over_where_it_ends():
     again, high_again, _ = run(trace, text, check_every=50, config=config)
     stats = again.plan_stats()
     assert stats["prologue_hits"] == slots and stats["first_planned_request"] == slots
-    assert stats["fallbacks"] == 0 and stats["arms"] == 1
+    assert stats["fallbacks"] == 0 and stats["arms"] == 1 and stats["prologue_handover"] == 1
     assert high_again <= 1.05 * live < high, (high_again / live, high / live)
     # The same text as version 2 wrote it (no plan named) is still read, and served as then.
     old = text.replace("pymemplan-plans 3", "pymemplan-plans 2", 1).replace(
         f"\nprologue {events} {slots} {plan}\n", f"\nprologue {events} {slots}\n")
     before, high_before, _ = run(trace, old, config=config)
-    assert before.plan_stats()["prologue_hits"] == slots
+    assert before.plan_stats()["prologue_hits"] == slots and before.plan_stats()["prologue_handover"] == 0
     assert high_before > 1.15 * live > high_again, high_before / live
 
 

@@ -291,6 +291,7 @@ void PlannedAllocator::end_prologue(bool whole) {
     if (plans_[i].signature != loaded_plan_) continue;
     plans_[i].validated = true;  // it served the pass that ends here, and this run matched
     adopt(i, 0);
+    prologue_handover_ = true;
     break;
   }
 }
@@ -378,6 +379,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("prologue_hits", num(prologue_hits_));
   put("prologue_serving", loaded_arena_ != 0 ? 1.0 : 0.0);
   put("prologue_dropped", prologue_dropped_ ? 1.0 : 0.0);
+  put("prologue_handover", prologue_handover_ ? 1.0 : 0.0);
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
   put("plan_coverage", last_coverage_);

@@ -525,6 +525,7 @@ class PlannedAllocator : public Allocator {
   std::size_t loaded_cursor_ = 0, loaded_misses_ = 0, loaded_skipped_ = 0;
   std::uint64_t prologue_hits_ = 0;
   bool prologue_dropped_ = false;  // ended by misses rather than by its last slot
+  bool prologue_handover_ = false;  // the plan it names took over where it ended
 
   // Figures.
   std::uint64_t first_planned_ = kNever;

@@ -364,6 +364,7 @@ PYBIND11_MODULE(_core, m) {
         d["iterations"] = r.iterations;
         d["plan_hits"] = r.plan_hits;
         d["prologue_hits"] = r.prologue_hits;
+        d["prologue_handover"] = r.prologue_handover;
         d["plan_fallbacks"] = r.plan_fallbacks;
         d["plan_remakes"] = r.plan_remakes;
         d["plan_layouts_kept"] = r.plan_layouts_kept;

@@ -83,6 +83,7 @@ class Fuzzer {
       for (const auto& [k, v] : planned->plan_stats()) {
         if (k == "plan_hits") r_.plan_hits = static_cast<std::uint64_t>(v);
         if (k == "prologue_hits") r_.prologue_hits = static_cast<std::uint64_t>(v);
+        if (k == "prologue_handover") r_.prologue_handover = v != 0;
         if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);
         if (k == "hole_hits") r_.plan_hole_hits = static_cast<std::uint64_t>(v);
         if (k == "remakes") r_.plan_remakes = static_cast<std::uint64_t>(v);

@@ -168,9 +168,22 @@ int main(int argc, char** argv) {
         // virtual memory); without it, from the plans.
         const bool vmm = o.config.find("vmm:False") == std::string::npos;
         CHECK(vmm ? r2.prologue_hits > 0 : r2.plan_hits > 0);
-        again.config += std::string(again.config.empty() ? "" : ",") + "prologue:0";
+        const std::string config = again.config + (again.config.empty() ? "" : ",");
+        again.config = config + "prologue:0";
         const FuzzReport r3 = fuzz(again);
         CHECK(r3.plan_hits > 0 && r3.prologue_hits == 0);
+        // A prologue that ends where a pass a plan served whole ends, a third into the run (as a
+        // run longer than a prologue hands over): that plan takes over there.
+        again.config = config + "prologue:" + std::to_string(r2.mallocs / 3 + 1);
+        again.plans.clear();
+        again.plans = fuzz(again).plans;
+        const FuzzReport r4 = fuzz(again);
+        // (Where the text names it: a plan made again later under another signature is not.)
+        unsigned long long events = 0, slots = 0, named = 0;
+        CHECK(std::sscanf(again.plans.c_str() + again.plans.find("\nprologue "), "\nprologue %llu %llu %llu",
+                          &events, &slots, &named) == 3);
+        CHECK(r4.plan_hits > 0 && (vmm ? r4.prologue_hits > 0 : r4.prologue_hits == 0));
+        CHECK(r4.prologue_handover == (vmm && named != 0));
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fuzz %s %s: %s\n", c[0], c[1], e.what());
