@@ -381,6 +381,7 @@ def test_reserved_peak_replays_the_predicted_step_through_allocator_policies():
     offline = t.reserved_peak("offline")
     assert offline % (2 << 20) == 0
     assert -(-t.peak_bytes // (2 << 20)) * (2 << 20) <= offline <= t.reserved_peak("pymemplan-vmm")
+    assert offline <= t.reserved_peak("pymemplan-planned", iterations=5) <= torch_peak
     with pytest.raises(ValueError, match="does not fit"):
         t.reserved_peak("torch", capacity="64MiB")
     with pytest.raises(ValueError, match="unknown allocator policy"):

@@ -316,12 +316,14 @@ class MemoryTrace:
 
         ``policy``: "torch" (PyTorch's native caching allocator),
         "torch=expandable_segments:True" (with PYTORCH_CUDA_ALLOC_CONF's expandable
-        segments), "pymemplan", "pymemplan-vmm", "nocache", or "name=key:value,..." as for
-        ``pymemplan replay``; or "offline": the most pages of ``granularity`` held by an
-        allocator that knew the whole run in advance (``pymemplan.traces.offline_layout``),
-        the least reserved memory any allocator mapping such pages can hope for, within the
-        precision of the packer. The run's first step makes the optimizer's state where its
-        first ``step()`` makes it (``graph.first_optimizer_step``).
+        segments), "pymemplan", "pymemplan-vmm", "pymemplan-planned" (which finds and plans the
+        repeated step as it would in the run, the first steps served by its pool), "nocache",
+        or "name=key:value,..." as for ``pymemplan replay``; or "offline": the most pages of
+        ``granularity`` held by an allocator that knew the whole run in advance
+        (``pymemplan.traces.offline_layout``), the least reserved memory any allocator mapping
+        such pages can hope for, within the precision of the packer. The run's first step
+        makes the optimizer's state where its first ``step()`` makes it
+        (``graph.first_optimizer_step``).
         This is the number that decides whether a run hits OOM; compare it with
         ``peak_bytes``, the live tensor bytes no allocator can go below.
         """
