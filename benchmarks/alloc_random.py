@@ -15,7 +15,7 @@ ends with the first pass a plan served whole ("restarted, prologue to the first 
 pass": prologue:1) or with the first one after a third of the run's requests ("restarted,
 prologue to a third in"), which is where a run longer than a prologue goes over to its plans.
 
-    python benchmarks/alloc_random.py              # 200 seeds, about 20 s
+    python benchmarks/alloc_random.py              # 200 seeds, about 30 s
     python benchmarks/alloc_random.py --seeds 1000
     python benchmarks/alloc_random.py --loops evaluation --seeds 1000
     python benchmarks/alloc_random.py --seeds 30 --steps 40 --out /tmp/long.json  # long runs
