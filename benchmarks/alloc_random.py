@@ -14,6 +14,9 @@ run), with its plans only ("restarted, plans only": prologue:0), and with a prol
 ends with the first pass a plan served whole ("restarted, prologue to the first planned
 pass": prologue:1) or with the first one after a third of the run's requests ("restarted,
 prologue to a third in"), which is where a run longer than a prologue goes over to its plans.
+Last, "restarted after a run half as long": the whole run, restarted with what a run of its
+first half exported (a short trial run, then the real one): its prologue ends where that run
+ended, and the plans take over from there as detection finds them.
 
     python benchmarks/alloc_random.py              # 200 seeds, about 30 s
     python benchmarks/alloc_random.py --seeds 1000
@@ -44,7 +47,7 @@ sys.path.insert(0, str(HERE))
 from synthetic_traces import evaluation_loop, random_training  # noqa: E402
 
 from pymemplan import _core  # noqa: E402
-from pymemplan.traces import offline_layout, replay  # noqa: E402
+from pymemplan.traces import Trace, offline_layout, replay  # noqa: E402
 from pymemplan.traces.replay import parse_policy  # noqa: E402
 
 RESULTS = {"training": HERE / "results" / "alloc_random.json",
@@ -63,6 +66,7 @@ RESTARTED_VARIANTS = {"pymemplan-planned, restarted, plans only": lambda n: "pym
                           lambda n: "pymemplan-planned=prologue:1",
                       "pymemplan-planned, restarted, prologue to a third in":
                           lambda n: f"pymemplan-planned=prologue:{max(n // 3, 1)}"}
+AFTER_HALF = "pymemplan-planned, restarted after a run half as long"
 CALLS = ("pymemplan-vmm", "pymemplan-planned")  # driver calls over the second half, counted
 
 
@@ -112,6 +116,12 @@ def main() -> int:
             plans = (results["pymemplan-planned"].plans if policy.endswith(":0")
                      else replay(trace, [policy])[0].plans)
             row[name] = replay(trace, [policy], plans=plans)[0].reserved_over_live
+        half = len(trace.action) // 2
+        first_half = Trace.from_events(zip(trace.action[:half].tolist(), trace.ptr[:half].tolist(),
+                                           trace.size[:half].tolist(), trace.stream[:half].tolist(),
+                                           trace.time[:half].tolist()), name=f"{trace.name} (first half)")
+        row[AFTER_HALF] = replay(trace, ["pymemplan-planned"],
+                                 plans=replay(first_half, ["pymemplan-planned"])[0].plans)[0].reserved_over_live
         # What placing every block knowing the whole run would hold (pymemplan.traces.offline).
         row["offline"] = offline_layout(trace).peak_reserved_bytes / row["peak_live_bytes"]
         for name in CALLS:
@@ -123,7 +133,7 @@ def main() -> int:
         return [r["seed"] for r in runs if r[a] > r[b] * (1 + TOLERANCE)]
 
     summary = {}
-    for name in (*POLICIES, RESTARTED, *RESTARTED_VARIANTS):
+    for name in (*POLICIES, RESTARTED, *RESTARTED_VARIANTS, AFTER_HALF):
         x = np.array([r[name] for r in runs])
         summary[name] = {"median": float(np.median(x)), "p95": float(np.percentile(x, 95)),
                          "max": float(x.max()), "within_3pct": int((x <= 1.03).sum())}
@@ -149,7 +159,7 @@ def main() -> int:
     }
     summary["second-half driver calls"] = {name: sum(r[name + " second-half driver calls"] for r in runs)
                                            for name in CALLS}
-    for name in (RESTARTED, *RESTARTED_VARIANTS):
+    for name in (RESTARTED, *RESTARTED_VARIANTS, AFTER_HALF):
         summary[name]["lower"] = sum(r[name] < r["pymemplan-planned"] for r in runs)
         summary[name]["higher"] = sum(r[name] > r["pymemplan-planned"] for r in runs)
         summary[name]["max_over_first_run"] = max(r[name] / r["pymemplan-planned"] for r in runs)
@@ -163,7 +173,7 @@ def main() -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
     print(f"{args.seeds} random {args.loops} loops in {seconds:.0f} s; peak reserved / peak live:")
-    names = (*POLICIES, RESTARTED, *RESTARTED_VARIANTS, "offline")
+    names = (*POLICIES, RESTARTED, *RESTARTED_VARIANTS, AFTER_HALF, "offline")
     width = max(len(n) for n in names)
     print(f"  {'policy':{width}s} {'median':>8s} {'p95':>8s} {'max':>8s}  within 3%")
     for name in names:
@@ -177,7 +187,7 @@ def main() -> int:
     calls = summary["second-half driver calls"]
     print("  driver calls (pages mapped and unmapped) over the second halves: "
           + ", ".join(f"{name} {n:,}" for name, n in calls.items()))
-    for name in (RESTARTED, *RESTARTED_VARIANTS):
+    for name in (RESTARTED, *RESTARTED_VARIANTS, AFTER_HALF):
         s = summary[name]
         print(f"  {name}: lower than pymemplan-planned on {s['lower']} runs, higher on {s['higher']} "
               f"(at most {s['max_over_first_run']:.3f} times)")
