@@ -439,3 +439,17 @@ def test_fuzzed_snapshot_events_raise_only_trace_errors(events):
             read_trace(path).validate()
         except TraceError as e:
             assert "fuzz.pickle" in str(e)
+
+
+def test_head_is_the_run_stopped_early():
+    from pymemplan.traces import Trace
+    from pymemplan.traces.trace import TraceError
+
+    trace = Trace.from_events([(0, 1, 512, 0, 0.0), (0, 2, 1024, 7, 0.5), (1, 1, 512, 0, 1.0)],
+                              name="t", meta={"source": "x"})
+    head = trace.head(2)
+    assert len(head) == 2 and head.live_bytes().tolist() == [512, 1536]  # block 2 still alive
+    assert head.stream.tolist() == [0, 7] and head.meta == {"source": "x"} and "first 2" in head.name
+    assert len(trace.head(0)) == 0 and len(trace.head(3)) == 3
+    with pytest.raises(TraceError, match=r"head\(4\) of a trace of 3 events \(expected 0 to 3\)"):
+        trace.head(4)

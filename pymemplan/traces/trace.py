@@ -67,6 +67,15 @@ class Trace:
                    np.array(st, dtype=np.int64), np.array(t, dtype=np.float64), name=name,
                    meta=meta or {})
 
+    def head(self, n: int) -> "Trace":
+        """The first ``n`` events: the same program stopped early (a short trial run). Blocks
+        alive at event ``n`` stay alive, as in a process that exits without freeing them."""
+        if not 0 <= n <= len(self):
+            raise TraceError(f"{self.name}: head({n}) of a trace of {len(self)} events "
+                             f"(expected 0 to {len(self)})")
+        return Trace(self.action[:n], self.ptr[:n], self.size[:n], self.stream[:n], self.time[:n],
+                     name=f"{self.name} (first {n} events)", meta=dict(self.meta))
+
     def live_bytes(self) -> np.ndarray:
         """Live requested bytes after each event (frees subtract the size of their alloc)."""
         self.validate()
