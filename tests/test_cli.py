@@ -210,7 +210,7 @@ def test_replay_saves_plans_and_starts_from_a_plans_file(capsys, tmp_path):
     plans = tmp_path / "plans.txt"
     first, restarted = run_json(capsys, trace, "--policy", "pymemplan-planned", "--restarted",
                                 "--save-plans", str(plans))
-    assert plans.read_text().startswith("pymemplan-plans 3")
+    assert plans.read_text().startswith("pymemplan-plans 4")
     [loaded] = run_json(capsys, trace, "--policy", "pymemplan-planned", "--plans", str(plans))
     assert loaded["policy"] == "pymemplan-planned"
     assert loaded["peak_reserved_bytes"] < first["peak_reserved_bytes"]  # laid out in advance

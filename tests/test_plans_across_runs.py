@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 def plans_only(text):
     """The plans of `text` without its prologue (for tests of how plans serve)."""
-    return text[: text.index("prologue ")] + "prologue 0 0 0\n"
+    return text[: text.index("prologue ")] + "prologue 0 0 0 0\n"
 
 
 def run(trace, plans="", check_every=0, config=""):
@@ -80,7 +80,7 @@ def test_a_restarted_run_is_laid_out_from_its_first_request_as_by_an_allocator_t
     first, high, live = run(trace)
     text = first.export_plans()
     allocations = int((trace.action == 0).sum())
-    assert f"\nprologue {len(trace)} {allocations} 0\n" in text  # no plan: the run was all prologue
+    assert f"\nprologue {len(trace)} {allocations} 0 0\n" in text  # no plan: the run was all prologue
     again, high_again, _ = run(trace, text, check_every=50)
     assert high_again == offline_layout(trace).reserved_after_event.max() < high
     assert high_again <= 1.005 * live < 1.04 * live < high
@@ -135,21 +135,51 @@ def test_the_plan_whose_pass_ended_the_prologue_takes_over_where_it_ends():
     config = "prologue:1261"
     first, high, live = run(trace, config=config)
     text = first.export_plans()
-    events, slots, plan = map(int, text.split("\nprologue ")[1].split()[:3])
+    events, slots, plan, cursor = map(int, text.split("\nprologue ")[1].split()[:4])
     assert 1261 <= slots < int((trace.action == 0).sum())
     named = [line.split() for line in text.splitlines() if line.startswith("plan ")]
-    assert plan in {int(sig) for _, _, sig, _ in named}
+    assert plan in {int(sig) for _, _, sig, _ in named} and cursor == 0  # at its cut
     again, high_again, _ = run(trace, text, check_every=50, config=config)
     stats = again.plan_stats()
     assert stats["prologue_hits"] == slots and stats["first_planned_request"] == slots
     assert stats["fallbacks"] == 0 and stats["arms"] == 1 and stats["prologue_handover"] == 1
     assert high_again <= 1.05 * live < high, (high_again / live, high / live)
     # The same text as version 2 wrote it (no plan named) is still read, and served as then.
-    old = text.replace("pymemplan-plans 3", "pymemplan-plans 2", 1).replace(
-        f"\nprologue {events} {slots} {plan}\n", f"\nprologue {events} {slots}\n")
+    old = text.replace("pymemplan-plans 4", "pymemplan-plans 2", 1).replace(
+        f"\nprologue {events} {slots} {plan} 0\n", f"\nprologue {events} {slots}\n")
     before, high_before, _ = run(trace, old, config=config)
     assert before.plan_stats()["prologue_hits"] == slots and before.plan_stats()["prologue_handover"] == 0
     assert high_before > 1.15 * live > high_again, high_before / live
+
+
+def test_a_longer_run_after_a_trial_run_is_laid_out_to_the_end_of_the_pass_the_trial_stopped_in(trial):
+    """Evaluation loop 120 again, after a trial run of its first 2,944 events (1,492 requests,
+    fewer than a prologue). The trial's prologue is all of it, open at its end, within a pass
+    of the cycle's plan (522 events): the text names that plan and the slot its next request
+    would have matched. Restarted, the whole run is laid out from the trial's requests and the
+    rest of that pass as the plan has it (104 slots ahead), and the plan takes over at its cut:
+    1.046 of live, no request left to the pool, below its first run's 1.116. The same text
+    without the plan named (version 3) leaves the rest of that pass, an evaluation, to the
+    pool, around what the prologue's layout left: 1.186, above the first run."""
+    trace, text = trial
+    first, high, live = run(trace)
+    line = text.split("\nprologue ")[1].split("\n")[0]
+    events, slots, plan, cursor = map(int, line.split())
+    assert (events, slots) == (2944, int((trace.action[:2944] == 0).sum()))
+    named = {int(sig): int(n) for _, _, sig, n in
+             (line.split() for line in text.splitlines() if line.startswith("plan "))}
+    assert 0 < cursor < named[plan]
+    again, high_again, _ = run(trace, text, check_every=50)
+    stats = again.plan_stats()
+    assert stats["prologue_ahead"] == named[plan] - cursor
+    assert stats["prologue_hits"] == slots + named[plan] - cursor and stats["fallbacks"] == 0
+    assert stats["prologue_handover"] == 1 and stats["arms"] == 1
+    assert high_again <= 1.05 * live < high, (high_again / live, high / live)
+    old = text.replace("pymemplan-plans 4", "pymemplan-plans 3", 1).replace(
+        f"\nprologue {line}\n", f"\nprologue {events} {slots} 0\n")
+    before, high_before, _ = run(trace, old)
+    assert before.plan_stats()["prologue_ahead"] == 0 and before.plan_stats()["prologue_handover"] == 0
+    assert high_before > 1.15 * live > high, high_before / live
 
 
 def test_a_restart_that_loads_a_checkpoint_drops_the_prologue_and_records_its_own():
@@ -200,7 +230,7 @@ def test_the_plugin_saves_a_whole_prologue_without_plans():
 def test_a_prologue_needs_the_run_from_its_start_virtual_memory_and_the_key():
     trace = random_training(11)
     text = run(trace)[0].export_plans()
-    assert run(trace, config="prologue:0")[0].export_plans().endswith("\nprologue 0 0 0\n")
+    assert run(trace, config="prologue:0")[0].export_plans().endswith("\nprologue 0 0 0 0\n")
     off = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "prologue:0")
     off.import_plans(text)
     assert off.plan_stats()["prologue_serving"] == 0
@@ -261,7 +291,7 @@ def test_a_dropped_plan_arms_again_for_less_than_its_last_pass_took():
 
 def test_plans_round_trip_and_are_not_imported_twice(exported):
     trace, plans, _ = exported
-    assert plans.startswith("pymemplan-plans 3\npeak ")
+    assert plans.startswith("pymemplan-plans 4\npeak ")
     alloc = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "")
     added = alloc.import_plans(plans)
     assert added >= 1
@@ -269,7 +299,7 @@ def test_plans_round_trip_and_are_not_imported_twice(exported):
     assert alloc.import_plans(plans) == 0  # the same signatures: nothing new
     # Plans that have not armed in this run are not written out: there are none yet, nor a
     # prologue (no request yet).
-    assert alloc.export_plans().splitlines()[2:] == ["0", "prologue 0 0 0"]
+    assert alloc.export_plans().splitlines()[2:] == ["0", "prologue 0 0 0 0"]
     # max_plans bounds what is kept.
     one = _core.Allocator(_core.SimulatedDevice(1 << 30), POLICY, "max_plans:1")
     assert one.import_plans(plans) == 1
@@ -346,8 +376,14 @@ def test_without_virtual_memory_loaded_plans_wait_for_detection():
 BAD = [
     ("", "does not start with 'pymemplan-plans'"),
     ("hello world", "does not start with 'pymemplan-plans'"),
-    ("pymemplan-plans 4\npeak 0\n0\nprologue 0 0 0\n", "its version is not 1 to 3"),
-    ("pymemplan-plans 0\npeak 0\n0\n", "its version is not 1 to 3"),
+    ("pymemplan-plans 5\npeak 0\n0\nprologue 0 0 0 0\n", "its version is not 1 to 4"),
+    ("pymemplan-plans 0\npeak 0\n0\n", "its version is not 1 to 4"),
+    ("pymemplan-plans 4\npeak 0\n0\nprologue 0 0 0\n", "ends where prologue cursor was expected"),
+    ("pymemplan-plans 4\npeak 0\n0\nprologue 0 0 0 -1\n", "bad prologue cursor '-1'"),
+    ("pymemplan-plans 4\npeak 0\n0\nprologue 10 0 7 3\n",
+     "the prologue ends within a pass of plan 7, which is not among its plans"),
+    ("pymemplan-plans 4\npeak 0\n1\nplan 100 7 9\n" + "".join(f"512 0 {t} 1\n" for t in range(9))
+     + "prologue 10 0 7 9\n", "prologue cursor 9 is past the last of plan 7's 9 slots"),
     ("pymemplan-plans 3\npeak 0\n0\n", "does not start with 'prologue'"),
     ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0\n", "ends where prologue plan was expected"),
     ("pymemplan-plans 3\npeak 0\n0\nprologue 0 0 -1\n", "bad prologue plan '-1'"),
@@ -459,3 +495,31 @@ def test_edited_plans_are_refused_or_serve_safely(exported, data):
         return
     _, high, live_high = run(trace, text, check_every=100)
     assert high >= live_high
+
+
+@pytest.fixture(scope="module")
+def trial():
+    """Evaluation loop 120 and what a trial run of its first 2,944 events exported: a prologue
+    that stops within a pass of a plan, named with the slot it stopped at."""
+    trace = evaluation_loop(120)
+    return trace, run(trace.head(2944))[0].export_plans()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_prologue_continued_anywhere_serves_safely(trial, data):
+    """The rest of a pass laid out after a trial run's prologue comes from the plan the text
+    names, from the slot it names: any plan of the text and any slot of it (a longer run that
+    goes another way than that plan) serve memory that is never handed out twice, and the
+    books balance."""
+    trace, text = trial
+    lines = text.splitlines()
+    plans = {int(line.split()[2]): int(line.split()[3]) for line in lines if line.startswith("plan ")}
+    i = next(i for i, line in enumerate(lines) if line.startswith("prologue "))
+    events, slots, _, _ = map(int, lines[i].split()[1:])
+    plan = data.draw(st.sampled_from(sorted(plans)))
+    cursor = data.draw(st.integers(0, plans[plan] - 1))
+    lines[i] = f"prologue {events} {slots} {plan} {cursor}"
+    alloc, high, live_high = run(trace, "\n".join(lines) + "\n", check_every=40)
+    assert high >= live_high
+    assert alloc.plan_stats()["prologue_hits"] > 0

@@ -391,7 +391,7 @@ def test_plans_saved_by_one_run_serve_the_next_through_the_plugin(tmp_path):
     plans = tmp_path / "plans.txt"
     env = dict(PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="2GiB")
     first = dict(line.split() for line in run(code, PLANS_OUT=str(plans), **env).stdout.splitlines())
-    assert int(first["saved"]) >= 1 and plans.read_text().startswith("pymemplan-plans 3")
+    assert int(first["saved"]) >= 1 and plans.read_text().startswith("pymemplan-plans 4")
     second = dict(line.split() for line in run(code, PLANS_IN=str(plans), **env).stdout.splitlines())
     assert int(second["loaded"]) == int(first["saved"])
     assert int(second["peak"]) < int(first["peak"]), (first, second)
@@ -454,11 +454,11 @@ def test_plans_file_kept_across_runs_without_code(tmp_path):
                PYMEMPLAN_PLANS=str(plans))
     first = dict(line.split() for line in run(code, **env).stdout.splitlines())
     saved = plans.read_text()
-    assert saved.startswith("pymemplan-plans 3") and int(saved.splitlines()[2]) >= 1
+    assert saved.startswith("pymemplan-plans 4") and int(saved.splitlines()[2]) >= 1
     second = dict(line.split() for line in run(code, **env).stdout.splitlines())
     assert int(second["peak"]) < int(first["peak"]), (first, second)
     kept = plans.read_text()
-    assert kept.startswith("pymemplan-plans 3")
+    assert kept.startswith("pymemplan-plans 4")
     run("import pymemplan; assert pymemplan.is_enabled()", **env)  # no GPU used: nothing armed
     assert plans.read_text() == kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.txt"]  # no temporary left
@@ -510,7 +510,7 @@ def test_plans_file_errors(tmp_path):
         from pymemplan.allocator import _library
         assert _library.load().pymemplan_alloc(1 << 20, 0, None)
         assert pymemplan.save_plans() == 0  # nothing armed yet, but written where plans= says
-        assert open({str(tmp_path / "new.0.txt")!r}).read().startswith("pymemplan-plans 3")
+        assert open({str(tmp_path / "new.0.txt")!r}).read().startswith("pymemplan-plans 4")
         pymemplan.enable("pymemplan-planned")  # again, with nothing asked about plans: fine
         raises(lambda: pymemplan.enable("pymemplan-planned", plans="other.txt"), RuntimeError,
                "plans= is taken from the first enable() only")

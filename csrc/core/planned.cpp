@@ -276,6 +276,126 @@ void* PlannedAllocator::serve_prologue(std::size_t rounded, std::int64_t size, S
   return out;
 }
 
+namespace {
+
+// The most pages of `page` bytes that the blocks alive at one time touch, laid out at
+// `offsets` (the first blocks.size() of them).
+std::size_t touched_peak(const std::vector<PackBlock>& blocks, const std::vector<std::size_t>& offsets,
+                         std::size_t page) {
+  std::vector<std::pair<std::size_t, std::size_t>> edges;  // (2 time + 1 if it starts, block)
+  edges.reserve(2 * blocks.size());
+  std::size_t pages = 0;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    edges.push_back({2 * blocks[i].start + 1, i});
+    edges.push_back({2 * (blocks[i].start + blocks[i].life), i});
+    pages = std::max(pages, (offsets[i] + blocks[i].size + page - 1) / page);
+  }
+  std::sort(edges.begin(), edges.end());  // at one time, ends before starts
+  std::vector<std::uint32_t> users(pages, 0);
+  std::size_t touched = 0, peak = 0;
+  for (const auto& [key, i] : edges) {
+    const bool starts = (key & 1) != 0;
+    for (std::size_t q = offsets[i] / page; q < (offsets[i] + blocks[i].size + page - 1) / page; ++q) {
+      if (starts) {
+        touched += users[q]++ == 0 ? 1 : 0;
+      } else {
+        touched -= --users[q] == 0 ? 1 : 0;
+      }
+    }
+    peak = std::max(peak, touched);
+  }
+  return peak;
+}
+
+}  // namespace
+
+PackResult PlannedAllocator::lay_out_prologue(const std::vector<PackBlock>& blocks, std::uint64_t events,
+                                              const std::vector<PackBlock>& continued,
+                                              std::uint64_t continued_events, bool takes_over,
+                                              bool* ahead) const {
+  const std::size_t rounds = std::max<std::size_t>(config_.search_rounds, kPrologueRounds);
+  const PackResult plain = pack_blocks(blocks, events, rounds, page());
+  // A run restarted as the one that wrote the text stops where it stopped: a layout made for
+  // what may come after is kept only where the prologue's own blocks touch no more pages at
+  // once than in the layout of the prologue alone.
+  const std::size_t floor = touched_peak(blocks, plain.offsets, page());
+  *ahead = false;
+  if (!continued.empty()) {
+    const PackResult joint = pack_blocks(continued, continued_events, rounds, page());
+    if (touched_peak(blocks, joint.offsets, page()) <= floor) {
+      *ahead = true;
+      return joint;
+    }
+  }
+  if (takes_over) return plain;
+  // No plan takes over where the prologue ends (a short run with none in step at its end):
+  // the pool serves what comes next, around the blocks alive then. Where the layout leaves
+  // them spread over the arena, the pool fits the next steps into what is left between
+  // them (random training loops restarted after a trial run of a third of their events: 49
+  // of 200 above their first run). Packed again with a block after the end that takes all
+  // of the arena but the pages they need, they leave the pool one free range (30 of 200).
+  std::size_t alive = 0;
+  for (const PackBlock& b : blocks) {
+    if (b.start + b.life == events) alive += b.size;
+  }
+  const std::size_t pages = round_up(plain.arena, page()), need = round_up(alive, page());
+  if (alive == 0 || pages <= need) return plain;
+  std::vector<PackBlock> together = blocks;
+  for (PackBlock& b : together) {
+    if (b.start + b.life == events) ++b.life;
+  }
+  together.push_back({static_cast<std::size_t>(events), 1, pages - need});
+  PackResult t = pack_blocks(together, events + 1, rounds, page(), pages);
+  if (t.arena > pages || touched_peak(blocks, t.offsets, page()) > floor) return plain;
+  t.offsets.pop_back();
+  return t;
+}
+
+void PlannedAllocator::continue_prologue(std::vector<PrologueSlot>& prologue, std::uint64_t& events,
+                                         const Plan& p, std::size_t cursor) {
+  const std::size_t n = p.slots.size(), t0 = p.slots[cursor].time;
+  // Slot `cursor` is at e + 1, the cut at `end`; the free of a block the plan frees before
+  // that slot, at e.
+  const std::uint64_t e = events, end = e + 1 + (p.period - t0);
+  // Blocks alive at the prologue's end live to the cut, unless the plan says when they go:
+  // the prologue's last requests, back from the cursor on the plan's circle, while they match.
+  for (PrologueSlot& q : prologue) {
+    if (q.start + q.life == e) q.life = end - q.start;
+  }
+  std::size_t j = cursor;
+  for (std::size_t i = prologue.size(), steps = 0; i-- > 0 && steps < n; ++steps) {
+    j = j == 0 ? n - 1 : j - 1;
+    const Slot& s = p.slots[j];
+    PrologueSlot& q = prologue[i];
+    if (s.size != q.size || s.stream != q.stream) break;
+    if (q.start + q.life != end || !s.planned) continue;  // freed already, or outlives the pass
+    // Its free, on the plan's time from slot `cursor` (a slot at or past the cursor is of
+    // the pass before).
+    const std::size_t freed = s.time + p.blocks[p.slot_block[j]].life;
+    const std::size_t shift = j < cursor ? 0 : p.period;
+    if (freed <= t0 + shift) {
+      q.life = e + 1 - q.start;
+    } else if (freed - shift - t0 < end - e - 1) {
+      q.life = e + 1 + (freed - shift - t0) - q.start;
+    }
+  }
+  for (std::size_t k = cursor; k < n; ++k) {
+    // Slots that outlive the period are the pool's, as when the plan serves: one-off requests
+    // of the pass it was made from (an optimizer's state made lazily) are often not made again,
+    // and a run of them missing would drop the prologue.
+    const Slot& s = p.slots[k];
+    if (!s.planned) continue;
+    PrologueSlot q;
+    q.size = s.size;
+    q.stream = s.stream;
+    q.start = e + 1 + (s.time - t0);
+    const std::uint64_t to_cut = end - q.start;
+    q.life = std::min<std::uint64_t>(p.blocks[p.slot_block[k]].life, to_cut);
+    prologue.push_back(q);
+  }
+  events = end;
+}
+
 void PlannedAllocator::end_prologue(bool whole) {
   if (loaded_arena_ == 0) return;
   pool_->retire_arena(loaded_arena_);
@@ -380,6 +500,7 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("prologue_serving", loaded_arena_ != 0 ? 1.0 : 0.0);
   put("prologue_dropped", prologue_dropped_ ? 1.0 : 0.0);
   put("prologue_handover", prologue_handover_ ? 1.0 : 0.0);
+  put("prologue_ahead", num(prologue_ahead_));
   put("armed", armed_ ? 1.0 : 0.0);
   put("active_plan_period", active_ == kNoOffset ? 0.0 : num(plans_[active_].period));
   put("plan_coverage", last_coverage_);
@@ -407,19 +528,21 @@ std::pair<std::size_t, std::vector<PackBlock>> PlannedAllocator::last_plan_block
 }
 
 // ---------------------------------------------------------------------------------------------
-// Plans across runs. The text: a header line ("pymemplan-plans 2"), "peak <bytes>" (the
+// Plans across runs. The text: a header line ("pymemplan-plans 4"), "peak <bytes>" (the
 // highest reserved of the run that wrote it), the number of plans, then per plan a line
 // "plan <period> <signature> <slots>" and one line per slot, "<size> <stream> <time> <life>"
 // (rounded size; time since the cut; life 0: the pool serves it). Blocks are the slots with
 // a life; the signature is the hash detection keys plans by (build_plan). Then the prologue:
-// "prologue <events> <slots> <plan>" and one line per slot, "<size> <stream> <event> <life>"
-// (the event index of the request; life >= 1, to the prologue's end at most); <plan> is the
-// signature of the plan whose pass ended the prologue, if it is among the plans written, else
-// 0. Versions 1 (no prologue) and 2 (no <plan>) are still read.
+// "prologue <events> <slots> <plan> <cursor>" and one line per slot, "<size> <stream> <event>
+// <life>" (the event index of the request; life >= 1, to the prologue's end at most). <plan>
+// is the signature of the plan whose pass ended the prologue; where the run stopped before a
+// prologue's end, that of the plan whose pass it stopped in, and <cursor> the slot its next
+// request would have matched (0: at the plan's cut); 0 where that plan is not among those
+// written. Versions 1 (no prologue), 2 (no <plan>) and 3 (no <cursor>) are still read.
 
 namespace {
 constexpr const char* kPlansHeader = "pymemplan-plans";
-constexpr int kPlansVersion = 3;
+constexpr int kPlansVersion = 4;
 }  // namespace
 
 std::string PlannedAllocator::export_plans() const {
@@ -442,10 +565,20 @@ std::string PlannedAllocator::export_plans() const {
   // Still recording: the prologue is the run so far.
   const std::uint64_t events = prologue_open_ ? base_ + events_.size() : prologue_events_;
   const std::size_t n = prologue_.size() > kPrefix ? prologue_.size() : 0;
-  const bool plan_written = std::any_of(out.begin(), out.end(),
-                                       [&](const Plan* p) { return p->signature == prologue_plan_; });
-  o << "prologue " << (n != 0 ? events : 0) << ' ' << n << ' '
-    << (n != 0 && !prologue_open_ && plan_written ? prologue_plan_ : 0) << '\n';
+  auto written = [&](std::uint64_t signature) {
+    return std::any_of(out.begin(), out.end(), [&](const Plan* p) { return p->signature == signature; });
+  };
+  // Closed, the prologue ends at the cut of the plan whose pass closed it; still recording
+  // (a run shorter than a prologue), where the stream is in a pass of the active plan.
+  std::uint64_t plan = 0, cursor = 0;
+  if (n != 0 && !prologue_open_ && written(prologue_plan_)) {
+    plan = prologue_plan_;
+  } else if (n != 0 && prologue_open_ && in_step_ && active_ != kNoOffset && plans_[active_].validated &&
+             written(plans_[active_].signature)) {
+    plan = plans_[active_].signature;
+    cursor = cursor_;
+  }
+  o << "prologue " << (n != 0 ? events : 0) << ' ' << n << ' ' << plan << ' ' << cursor << '\n';
   for (std::size_t j = 0; j < n; ++j) {
     const PrologueSlot& q = prologue_[j];
     o << q.size << ' ' << q.stream << ' ' << q.start << ' ' << (q.life != 0 ? q.life : events - q.start)
@@ -516,7 +649,7 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     read.push_back(std::move(p));
   }
   std::vector<PrologueSlot> prologue;
-  std::uint64_t prologue_events = 0, prologue_plan = 0;
+  std::uint64_t prologue_events = 0, prologue_plan = 0, prologue_cursor = 0;
   if (version >= 2) {
     std::string word;
     if (!(in >> word) || word != "prologue") {
@@ -526,6 +659,7 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     const std::uint64_t n =
         number("number of prologue slots", 0, std::min<std::uint64_t>(kPrologueCap, prologue_events));
     if (version >= 3) prologue_plan = number("prologue plan", 0, kMax);
+    if (version >= 4) prologue_cursor = number("prologue cursor", 0, kMax);
     std::uint64_t next = 0, total = 0;
     for (std::uint64_t j = 0; j < n; ++j) {
       PrologueSlot q;
@@ -551,7 +685,32 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
                (version >= 2 ? " plans and prologue ('" : " plans ('") + rest + "')");
   }
 
+  // The prologue and the rest of the pass the run that wrote it stopped in (continue_prologue()).
+  std::vector<PrologueSlot> continued;
+  std::uint64_t continued_events = prologue_events;
+  if (prologue_cursor != 0) {
+    const auto named = std::find_if(read.begin(), read.end(),
+                                    [&](const Plan& p) { return p.signature == prologue_plan; });
+    if (named == read.end()) {
+      throw fail("the prologue ends within a pass of plan " + std::to_string(prologue_plan) +
+                 ", which is not among its plans");
+    }
+    if (prologue_cursor >= named->slots.size()) {
+      throw fail("prologue cursor " + std::to_string(prologue_cursor) + " is past the last of plan " +
+                 std::to_string(prologue_plan) + "'s " + std::to_string(named->slots.size()) + " slots");
+    }
+    if (prologue.size() > kPrefix) {
+      continued = prologue;
+      continue_prologue(continued, continued_events, *named, prologue_cursor);
+    }
+  }
+
   std::lock_guard<std::mutex> lock(mutex_);
+  // Whether a plan takes over where the recorded prologue ends, at its cut (end_prologue()).
+  auto named = [&](const Plan& p) { return p.signature == prologue_plan; };
+  const bool takes_over = prologue_plan != 0 && prologue_cursor == 0 &&
+                          (std::any_of(read.begin(), read.end(), named) ||
+                           std::any_of(plans_.begin(), plans_.end(), named));
   std::size_t added = 0;
   for (Plan& p : read) {
     const bool known = std::any_of(plans_.begin(), plans_.end(),
@@ -575,13 +734,19 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
   // with virtual memory: its arena maps pages as its blocks come, as the pool's segments do.
   if (prologue.size() > kPrefix && allocs_ == 0 && loaded_arena_ == 0 && config_.pool.vmm &&
       config_.prologue != 0) {
-    std::vector<PackBlock> blocks;
-    blocks.reserve(prologue.size());
-    for (const PrologueSlot& q : prologue) blocks.push_back({q.start, q.life, q.size});
+    auto blocks_of = [](const std::vector<PrologueSlot>& slots) {
+      std::vector<PackBlock> blocks;
+      blocks.reserve(slots.size());
+      for (const PrologueSlot& q : slots) blocks.push_back({q.start, q.life, q.size});
+      return blocks;
+    };
     const auto t0 = std::chrono::steady_clock::now();
-    const PackResult r = pack_blocks(blocks, prologue_events,
-                                     std::max<std::size_t>(config_.search_rounds, kPrologueRounds), page());
+    bool ahead = false;
+    const PackResult r = lay_out_prologue(blocks_of(prologue), prologue_events, blocks_of(continued),
+                                          continued_events, takes_over, &ahead);
     pack_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::size_t recorded = prologue.size();
+    if (ahead) prologue = std::move(continued);
     std::uintptr_t arena = 0;
     try {
       arena = pool_->create_arena(r.arena);
@@ -593,7 +758,8 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
       loaded_ = std::move(prologue);
       loaded_arena_ = arena;
       loaded_cap_ = static_cast<std::size_t>(peak);
-      loaded_plan_ = prologue_plan;
+      loaded_plan_ = takes_over || ahead ? prologue_plan : 0;
+      prologue_ahead_ = loaded_.size() - recorded;
     }
   }
   return added;
@@ -668,6 +834,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
     } else if (crossed) {
       boundary();
     }
+    in_step_ = slot != nullptr;
     if (slot == nullptr) {
       ever_diverged_ = true;
       last_divergence_ = base_ + events_.size();
@@ -709,6 +876,7 @@ void* PlannedAllocator::allocate_locked(std::size_t size, StreamId stream) {
           (slot == nullptr || !plans_[i].passed_over)) {
         adopt(i, kPrefix);
         ++plan_switches_;
+        in_step_ = true;
         break;
       }
     }

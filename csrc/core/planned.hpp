@@ -249,7 +249,11 @@ class PlannedAllocator : public Allocator {
   // served, its arena, with the blocks alive in it, joins the pool (best fit serves its free
   // space), and the plan whose pass ended the prologue in the run it comes from arms at once,
   // at its cut (the other plans arm at theirs); the first to arm may take the run as high as
-  // the run the prologue comes from went.
+  // the run the prologue comes from went. A run that stopped before its prologue's end (a
+  // short trial run) names the plan whose pass it stopped in, and where: the rest of that
+  // pass is laid out with the prologue, as the plan has it, and that plan takes over at its
+  // cut, so a longer run goes on from there as the short one would have.
+  // In the text's prologue line, "<plan> <cursor>" (version 4).
   std::string export_plans() const;
   std::size_t import_plans(const std::string& text);
 
@@ -514,6 +518,17 @@ class PlannedAllocator : public Allocator {
     std::uint64_t life = 0;    // events; 0 while alive and recording
     std::size_t offset = 0;    // in the arena (imported)
   };
+  // The prologue of a run that stopped within a pass of `p`, its next request that of slot
+  // `cursor`: the rest of that pass is laid out with it (slots after the prologue's, to
+  // `events`, the plan's cut), and blocks alive at its end live on as the plan says.
+  // The prologue's offsets (import_plans()): of `blocks`, or of `continued` (the prologue
+  // and the rest of the pass the run that wrote it stopped in; `*ahead` says which).
+  // `takes_over`: a plan arms where the prologue ends.
+  PackResult lay_out_prologue(const std::vector<PackBlock>& blocks, std::uint64_t events,
+                              const std::vector<PackBlock>& continued, std::uint64_t continued_events,
+                              bool takes_over, bool* ahead) const;
+  static void continue_prologue(std::vector<PrologueSlot>& prologue, std::uint64_t& events,
+                                const Plan& p, std::size_t cursor);
   std::vector<PrologueSlot> prologue_;
   bool prologue_open_ = true;
   std::uint64_t prologue_events_ = 0;  // events it spans, once closed
@@ -526,6 +541,8 @@ class PlannedAllocator : public Allocator {
   std::uint64_t prologue_hits_ = 0;
   bool prologue_dropped_ = false;  // ended by misses rather than by its last slot
   bool prologue_handover_ = false;  // the plan it names took over where it ended
+  std::size_t prologue_ahead_ = 0;  // slots of the loaded prologue laid out past the recorded ones
+  bool in_step_ = false;  // the last request matched the active plan (or adopted it)
 
   // Figures.
   std::uint64_t first_planned_ = kNever;

@@ -365,6 +365,7 @@ PYBIND11_MODULE(_core, m) {
         d["plan_hits"] = r.plan_hits;
         d["prologue_hits"] = r.prologue_hits;
         d["prologue_handover"] = r.prologue_handover;
+        d["prologue_ahead"] = r.prologue_ahead;
         d["plan_fallbacks"] = r.plan_fallbacks;
         d["plan_remakes"] = r.plan_remakes;
         d["plan_layouts_kept"] = r.plan_layouts_kept;

@@ -84,6 +84,7 @@ class Fuzzer {
         if (k == "plan_hits") r_.plan_hits = static_cast<std::uint64_t>(v);
         if (k == "prologue_hits") r_.prologue_hits = static_cast<std::uint64_t>(v);
         if (k == "prologue_handover") r_.prologue_handover = v != 0;
+        if (k == "prologue_ahead") r_.prologue_ahead = static_cast<std::uint64_t>(v);
         if (k == "fallbacks") r_.plan_fallbacks = static_cast<std::uint64_t>(v);
         if (k == "hole_hits") r_.plan_hole_hits = static_cast<std::uint64_t>(v);
         if (k == "remakes") r_.plan_remakes = static_cast<std::uint64_t>(v);

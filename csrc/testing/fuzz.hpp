@@ -42,6 +42,7 @@ struct FuzzReport {
   std::uint64_t plan_hits = 0;    // pymemplan-planned: requests served at a planned offset
   std::uint64_t prologue_hits = 0;  // pymemplan-planned: served from an imported prologue
   bool prologue_handover = false;   // its plan took over where the imported prologue ended
+  std::uint64_t prologue_ahead = 0;  // slots of it laid out past those recorded (a shorter run's)
   std::uint64_t plan_fallbacks = 0;
   std::uint64_t plan_hole_hits = 0;  // of plan_hits, served in a hole of the pool
   std::uint64_t plan_remakes = 0;    // plans made again from a pass shorter than their period

@@ -185,6 +185,21 @@ int main(int argc, char** argv) {
               std::sscanf(again.plans.c_str() + at, "\nprologue %llu %llu %llu", &events, &slots, &named) == 3);
         CHECK(r4.plan_hits > 0 && (vmm ? r4.prologue_hits > 0 : r4.prologue_hits == 0));
         CHECK(r4.prologue_handover == (vmm && named != 0));
+        // A run longer than the one that saved the text, which stopped before its prologue's
+        // end (a trial run): laid out past where that one stopped, along the pass it was in.
+        FuzzOptions trial = o;
+        trial.ops = o.ops / 6 + 1;
+        FuzzOptions longer = o;
+        longer.ops = o.ops / 2 + 1;
+        longer.plans = fuzz(trial).plans;
+        const FuzzReport r5 = fuzz(longer);
+        const std::size_t at5 = longer.plans.find("\nprologue ");
+        unsigned long long plan5 = 0, cursor5 = 0;
+        CHECK(at5 != std::string::npos &&
+              std::sscanf(longer.plans.c_str() + at5, "\nprologue %llu %llu %llu %llu", &events, &slots,
+                          &plan5, &cursor5) == 4);
+        CHECK(vmm ? r5.prologue_hits > 0 : r5.prologue_hits == 0);
+        CHECK((r5.prologue_ahead > 0) == (vmm && cursor5 != 0));
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fuzz %s %s: %s\n", c[0], c[1], e.what());
