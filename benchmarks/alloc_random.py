@@ -15,8 +15,8 @@ ends with the first pass a plan served whole ("restarted, prologue to the first 
 pass": prologue:1) or with the first one after a third of the run's requests ("restarted,
 prologue to a third in"), which is where a run longer than a prologue goes over to its plans.
 Last, "restarted after a run half as long": the whole run, restarted with what a run of its
-first half exported (a short trial run, then the real one): its prologue ends where that run
-ended, and the plans take over from there as detection finds them.
+first half exported (a short trial run, then the real one): its prologue is laid out to the
+end of the pass that run stopped in, where the plan it was following takes over.
 
     python benchmarks/alloc_random.py              # 200 seeds, about 30 s
     python benchmarks/alloc_random.py --seeds 1000
@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE))
 from synthetic_traces import evaluation_loop, random_training  # noqa: E402
 
 from pymemplan import _core  # noqa: E402
-from pymemplan.traces import Trace, offline_layout, replay  # noqa: E402
+from pymemplan.traces import offline_layout, replay  # noqa: E402
 from pymemplan.traces.replay import parse_policy  # noqa: E402
 
 RESULTS = {"training": HERE / "results" / "alloc_random.json",
@@ -116,10 +116,7 @@ def main() -> int:
             plans = (results["pymemplan-planned"].plans if policy.endswith(":0")
                      else replay(trace, [policy])[0].plans)
             row[name] = replay(trace, [policy], plans=plans)[0].reserved_over_live
-        half = len(trace.action) // 2
-        first_half = Trace.from_events(zip(trace.action[:half].tolist(), trace.ptr[:half].tolist(),
-                                           trace.size[:half].tolist(), trace.stream[:half].tolist(),
-                                           trace.time[:half].tolist()), name=f"{trace.name} (first half)")
+        first_half = trace.head(len(trace) // 2)
         row[AFTER_HALF] = replay(trace, ["pymemplan-planned"],
                                  plans=replay(first_half, ["pymemplan-planned"])[0].plans)[0].reserved_over_live
         # What placing every block knowing the whole run would hold (pymemplan.traces.offline).

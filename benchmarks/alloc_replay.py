@@ -1101,6 +1101,11 @@ def main() -> int:
                 r["restarted_handover_reserved_over_live"] = replay(
                     trace, [handover], capacity=args.capacity, plans=recorded)[0].reserved_over_live
                 r["handover_prologue_requests"] = int(recorded.split("\nprologue ")[1].split()[1])
+                # A short trial run first (the first half of the trace), then the whole run
+                # restarted with what the trial exported: its prologue stops where it stopped.
+                trial = replay(trace.head(len(trace) // 2), [r["policy"]], capacity=args.capacity)[0].plans
+                r["restarted_after_trial_reserved_over_live"] = replay(
+                    trace, [r["policy"]], capacity=args.capacity, plans=trial)[0].reserved_over_live
                 r["plans_saved"] = int(obj.plans.splitlines()[2])
                 r["prologue_requests"] = int(obj.plans.split("\nprologue ")[1].split()[1])
         # The largest capacity at which each policy still fails, and whether ours run at
@@ -1197,6 +1202,7 @@ def main() -> int:
                 v["restarted_over_live"] = o.get("restarted_reserved_over_live")
                 v["restarted_plans_only_over_live"] = o.get("restarted_plans_only_reserved_over_live")
                 v["restarted_handover_over_live"] = o.get("restarted_handover_reserved_over_live")
+                v["restarted_after_trial_over_live"] = o.get("restarted_after_trial_reserved_over_live")
                 v["steady_state_reached"] = steady is not None
                 v["iterations_repeat"] = name not in NO_REPEATED_ITERATION
                 # The steady-state target is for traces whose iterations repeat.
@@ -1291,10 +1297,12 @@ def main() -> int:
               "load_plans): its plans and its prologue (the requests laid out in advance), or its "
               "plans only (prologue:0), or its plans and a prologue that ends with the first pass a "
               "plan served whole after a third of the trace's requests (where a run longer than a "
-              "prologue goes over to its plans); peak reserved / peak live over the whole trace, "
-              "and the event from which a plan serves:\n")
+              "prologue goes over to its plans), or what a trial run of the trace's first half "
+              "exported; peak reserved / peak live over the whole trace, and the event from which "
+              "a plan serves:\n")
         print(table(["trace", "plans saved", "prologue requests", "first run", "restarted",
                      "restarted, plans only", "restarted, prologue to a third in",
+                     "restarted after a trial half as long",
                      "plan serves from: first run", "plans only"],
                     lambda n: [n, str(by[(n, 'pymemplan-planned')]['plans_saved']),
                                f"{by[(n, 'pymemplan-planned')]['prologue_requests']:,}",
@@ -1302,6 +1310,7 @@ def main() -> int:
                                ratio(by[(n, 'pymemplan-planned')]['restarted_reserved_over_live']),
                                ratio(by[(n, 'pymemplan-planned')]['restarted_plans_only_reserved_over_live']),
                                ratio(by[(n, 'pymemplan-planned')]['restarted_handover_reserved_over_live']),
+                               ratio(by[(n, 'pymemplan-planned')]['restarted_after_trial_reserved_over_live']),
                                f"{by[(n, 'pymemplan-planned')]['steady_from_event'] or '–'}",
                                f"{by[(n, 'pymemplan-planned')]['restarted_plans_only_first_planned_event'] or '–'}"]))
     for v in verdicts:

@@ -42,7 +42,8 @@ CONFIGS = [
 
 
 HANDOVER = "restarted, prologue handed over"
-RESTARTS = ("restarted", "restarted, plans only", HANDOVER)
+AFTER_TRIAL = "restarted after a shorter run"
+RESTARTS = ("restarted", "restarted, plans only", HANDOVER, AFTER_TRIAL)
 
 
 def main() -> int:
@@ -81,7 +82,7 @@ def main() -> int:
                                   plans=text)
 
             keep = ("ops", "mallocs", "plans_imported", "plan_hits", "prologue_hits",
-                    "prologue_handover", "ooms")
+                    "prologue_handover", "prologue_ahead", "ooms")
             for key, extra in (("restarted", ""), ("restarted, plans only", "prologue:0")):
                 report_again = again(extra, plans)
                 run[key] = {k: report_again[k] for k in keep}
@@ -90,6 +91,12 @@ def main() -> int:
             report_again = again(short, recorded["plans"])
             run[HANDOVER] = {k: report_again[k] for k in keep}
             run[HANDOVER]["ops"] += recorded["ops"]  # the run that recorded it counts too
+            # What a run a third as long (a trial, stopped within a pass and before its
+            # prologue's end) exported: the rest of the pass it stopped in is laid out too.
+            trial = again("", "", args.ops // 6)
+            report_again = again("", trial["plans"])
+            run[AFTER_TRIAL] = {k: report_again[k] for k in keep}
+            run[AFTER_TRIAL]["ops"] += trial["ops"]
         runs.append(run)
         hits = (f"  {report['plan_hits']:>9,} plan hits ({report['plan_tail_layouts']} from a page's tail)"
                 if policy == "pymemplan-planned" else "")
@@ -102,6 +109,7 @@ def main() -> int:
                 print(f"{'':17s} {key + ' (its export)':48s} {'':9s}{r['ops']:>11,} ops  "
                       f"{r['ooms']:>8,} OOMs  {r['plans_imported']} plans imported  "
                       f"{r['plan_hits']:>9,} plan hits  {r['prologue_hits']:>9,} from the prologue"
+                      + (f"  ({r['prologue_ahead']:,} laid out ahead)" if r["prologue_ahead"] else "")
                       + ("  (its plan took over)" if r["prologue_handover"] else "") + "  ok",
                       flush=True)
     total = sum(r["ops"] + sum(r.get(key, {}).get("ops", 0) for key in RESTARTS) for r in runs)
