@@ -182,6 +182,40 @@ def test_a_longer_run_after_a_trial_run_is_laid_out_to_the_end_of_the_pass_the_t
     assert high_before > 1.15 * live > high, high_before / live
 
 
+@pytest.mark.parametrize("seed", [17, 150])
+def test_what_is_laid_out_past_a_prologue_never_costs_a_run_restarted_as_itself(seed):
+    """Random training loops shorter than a prologue, restarted with what they exported: the
+    run stops where its prologue does, so what is laid out past it (loop 150: the rest of the
+    pass it stopped in, 226 slots; loop 17, which followed no plan at its end: its last blocks
+    packed together) must not move the prologue's own blocks onto more pages. Each is kept
+    only where it does not, and the run holds what the offline layout holds (loop 17 held
+    1.0014 of live with its last blocks packed together regardless, against 1.0000)."""
+    from pymemplan.traces import offline_layout
+
+    trace = random_training(seed)
+    text = run(trace)[0].export_plans()
+    cursor = int(text.split("\nprologue ")[1].split()[3])
+    again, high, _ = run(trace, text, check_every=50)
+    assert (cursor != 0) == (seed == 150)
+    assert (again.plan_stats()["prologue_ahead"] > 0) == (seed == 150)
+    assert high == offline_layout(trace).reserved_after_event.max()
+
+
+def test_a_trial_that_followed_no_plan_leaves_its_last_blocks_together():
+    """Random training loop 157 (4,998 events, 1.0079 of live in its first run) after a trial of
+    its first 1,499 events, which ends with no plan in step: its text names none, and the pool
+    serves what comes after the prologue, around the blocks alive at the trial's end. Laid out
+    as the prologue alone would have them, spread over its arena, they left the pool pieces
+    between them, and the run went to 1.048; packed together, 1.0063."""
+    trace = random_training(157)
+    first, high, live = run(trace)
+    text = run(trace.head(1499))[0].export_plans()
+    assert text.split("\nprologue ")[1].split()[2:4] == ["0", "0"]
+    again, high_again, _ = run(trace, text, check_every=50)
+    assert again.plan_stats()["prologue_hits"] == int((trace.action[:1499] == 0).sum())
+    assert high_again <= 1.007 * live < high, (high_again / live, high / live)
+
+
 def test_a_restart_that_loads_a_checkpoint_drops_the_prologue_and_records_its_own():
     """Random training loop 33, restarted after loading a checkpoint its first run did not (40
     tensors made and dropped first). Its first requests match none of the prologue's: dropped
