@@ -413,6 +413,8 @@ BAD = [
     ("pymemplan-plans 5\npeak 0\n0\nprologue 0 0 0 0\n", "its version is not 1 to 4"),
     ("pymemplan-plans 0\npeak 0\n0\n", "its version is not 1 to 4"),
     ("pymemplan-plans 4\npeak 0\n0\nprologue 0 0 0\n", "ends where prologue cursor was expected"),
+    ("pymemplan-plans 4\npeak 0\n0\nprologue 4611686018427387904 0 0 0\n",
+     "bad prologue events '4611686018427387904'"),
     ("pymemplan-plans 4\npeak 0\n0\nprologue 0 0 0 -1\n", "bad prologue cursor '-1'"),
     ("pymemplan-plans 4\npeak 0\n0\nprologue 10 0 7 3\n",
      "the prologue ends within a pass of plan 7, which is not among its plans"),

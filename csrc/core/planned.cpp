@@ -655,7 +655,9 @@ std::size_t PlannedAllocator::import_plans(const std::string& text) {
     if (!(in >> word) || word != "prologue") {
       throw fail("the line after the plans does not start with 'prologue'");
     }
-    prologue_events = number("prologue events", 0, kMax / 2);
+    // (A quarter of the range: events past the prologue's (a pass it stopped in) and twice
+    // an event (touched_peak()) stay within it.)
+    prologue_events = number("prologue events", 0, kMax / 4);
     const std::uint64_t n =
         number("number of prologue slots", 0, std::min<std::uint64_t>(kPrologueCap, prologue_events));
     if (version >= 3) prologue_plan = number("prologue plan", 0, kMax);
