@@ -238,8 +238,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-                            str(HERE.parent / "tests")], timeout=300)
+    # In this process's GPU, one after the other; and without pytest-xdist, which the GPU
+    # machine may not have (the project's addopts ask for it).
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-m", "gpu",
+                            "-q", str(HERE.parent / "tests")], timeout=300)
     rows, recorded = [], {}
     for model in ("resnet50", "gpt2"):
         predicted = predictions(model, with_trace=True)
