@@ -225,6 +225,14 @@ def recorded_checks(model_name, predicted_step, env=None) -> dict:
             "prediction_match": allocation_match(predicted_step, step)}
 
 
+def gpu_tests_command() -> list[str]:
+    """pytest over the GPU tests, in one process: the project's addopts ask for pytest-xdist,
+    which the GPU machine may not have (nothing installs there), and one process keeps the
+    tests off each other's GPU memory."""
+    return [sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-m", "gpu", "-q",
+            str(HERE.parent / "tests")]
+
+
 def main() -> int:
     import tempfile
 
@@ -238,10 +246,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
-    # In this process's GPU, one after the other; and without pytest-xdist, which the GPU
-    # machine may not have (the project's addopts ask for it).
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-m", "gpu",
-                            "-q", str(HERE.parent / "tests")], timeout=300)
+    tests = subprocess.run(gpu_tests_command(), timeout=300)
     rows, recorded = [], {}
     for model in ("resnet50", "gpt2"):
         predicted = predictions(model, with_trace=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from pymemplan.traces import ALLOC, FREE, Trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_check import RUN, allocation_match  # noqa: E402
+from gpu_check import RUN, allocation_match, gpu_tests_command  # noqa: E402
 
 
 def step(sizes):
@@ -40,3 +40,19 @@ def test_extra_requests_break_runs_and_sizes_compare_rounded():
     assert m["in_runs"] == 0.0  # no run long enough for a plan to follow
     assert 0.8 < m["ratio"] < 1.0
     assert allocation_match(step([512] * 10), step([10 ** 6] * 10))["ratio"] == 0.0
+
+
+def test_the_gpu_tests_run_where_pytest_xdist_is_missing():
+    """The GPU machine may lack pytest-xdist, which the project's addopts ask for: the
+    command gpu_check runs must collect the GPU tests without it, where plain pytest cannot."""
+    import subprocess
+
+    cmd = gpu_tests_command()
+    without_xdist = ["-p", "no:xdist", "--collect-only"]
+    r = subprocess.run(cmd[:3] + without_xdist + cmd[3:], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_gpu.py" in r.stdout
+    plain = subprocess.run([sys.executable, "-m", "pytest", *without_xdist, "-m", "gpu", "-q",
+                            cmd[-1]], capture_output=True, text=True, timeout=300)
+    assert plain.returncode != 0 and "unrecognized arguments: -n" in plain.stderr
