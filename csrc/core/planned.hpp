@@ -434,8 +434,9 @@ class PlannedAllocator : public Allocator {
   void narrow_tie(std::uint64_t n);
   bool same_period(std::uint64_t n, std::size_t p, std::size_t q) const;
   bool large_window(std::uint64_t n, std::size_t period) const;
+  // `uncovered`: the bytes whose lifetime is not known (estimated from the sample).
   double coverage(std::uint64_t n, std::size_t period, std::vector<std::size_t>* lifetimes,
-                  std::size_t stride = 1) const;
+                  std::size_t stride = 1, double* uncovered = nullptr) const;
   // replace: the index of the plan this one replaces (refine()), or kNoOffset for a new one.
   // at_mark: the window starts at a step mark and repeats the one before it (mark_step()): the
   // cut is at the mark, and the plan is validated at once.
