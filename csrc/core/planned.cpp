@@ -1819,12 +1819,16 @@ void PlannedAllocator::detect() {
   if (events_.size() < w || n < next_detect_ || !should_plan(n)) return;
   index_windows(n);
   std::size_t best_p = 0;
-  double best_score = -1.0, best_cov = 0.0, best_uncovered = 0.0;
-  bool best_confirmed = false;
+  double best_score = -1.0, best_cov = 0.0;
+  struct Scored {
+    std::size_t period;
+    double score, cov, uncovered;
+    bool confirmed;
+  };
   std::size_t examined = 0, largest = 0, work = 0;
   std::uint64_t oldest = kNever;
   std::size_t repeats = 0;  // the shortest confirmed period among the candidates so far
-  std::vector<std::pair<std::size_t, double>> scored;  // (period, score)
+  std::vector<Scored> scored;  // in the order examined: shortest first
   auto consider = [&](std::uint64_t end) {
     const std::uint64_t p64 = n - end;
     if (p64 < config_.min_period || p64 > config_.max_period || n - base_ < p64) return;
@@ -1849,21 +1853,11 @@ void PlannedAllocator::detect() {
     double uncovered = 0.0;
     const double cov = coverage(n, p, nullptr, stride, &uncovered);
     const double score = cov + (confirmed ? 0.01 : 0.0);
-    scored.emplace_back(p, score);
-    // Candidates come shortest first. A longer one that leaves as many bytes of unknown
-    // lifetime as the best so far covers no lifetime the best does not: its larger share is
-    // the same blocks among more bytes. A request the iteration does not usually make (a loss
-    // logged on the GPU, kept) turns a confirmed period of layers into unconfirmed multiples
-    // of it that all hold that one block; the longest won, and detection slept for half of it
-    // past the start of the next step (mamba_4l, bloom_4l, qwen2_bf16 with the loss logged at
-    // a step's start: the first step's plan missed the second, 1.010 -> 1.040 of live).
-    const bool no_gain = best_p != 0 && confirmed == best_confirmed && uncovered >= best_uncovered;
-    if (score > best_score && !no_gain) {
+    scored.push_back({p, score, cov, uncovered, confirmed});
+    if (score > best_score) {
       best_score = score;
       best_cov = cov;
       best_p = p;
-      best_uncovered = uncovered;
-      best_confirmed = confirmed;
     }
   };
   std::size_t steps = 0;
@@ -1876,6 +1870,22 @@ void PlannedAllocator::detect() {
     }
   }
   if (oldest != kNever) consider(oldest);
+  // The best candidate covers the largest share of its bytes. A shorter one that leaves no
+  // more bytes of unknown lifetime is as good: the best's larger share is the same blocks
+  // among more bytes. A request the iteration does not usually make (a loss logged on the
+  // GPU, kept) turns a confirmed period of layers into unconfirmed multiples of it that all
+  // hold that one block; the longest won, and detection slept for half of it past the start
+  // of the next step (mamba_4l, bloom_4l, qwen2_bf16 with the loss logged at a step's start:
+  // the first step's plan missed the second, 1.010 -> 1.040 of live). Never a longer one
+  // than the best: chosen as candidates came, a period of many iterations won over one.
+  const auto best = std::find_if(scored.begin(), scored.end(), [&](const Scored& c) { return c.period == best_p; });
+  for (auto c = scored.begin(); c != best; ++c) {
+    if (c->confirmed == best->confirmed && c->uncovered <= best->uncovered) {
+      best_p = c->period;
+      best_cov = c->cov;
+      break;
+    }
+  }
   if (best_p != 0) {
     best_cov = coverage(n, best_p, nullptr);
     work += best_p;
@@ -1893,8 +1903,9 @@ void PlannedAllocator::detect() {
     // before) are not in doubt, and nor are windows too small to make a plan worth an arena.
     std::vector<std::size_t> tied;
     bool differ = false;
-    for (const auto& [p, score] : scored) {
-      if (score + kTieMargin < best_score) continue;
+    for (const Scored& c : scored) {
+      const std::size_t p = c.period;
+      if (c.score + kTieMargin < best_score) continue;
       tied.push_back(p);
       differ = differ || !same_period(n, p, best_p);
     }
