@@ -1822,7 +1822,7 @@ void PlannedAllocator::detect() {
   double best_score = -1.0, best_cov = 0.0;
   struct Scored {
     std::size_t period;
-    double score, cov, uncovered;
+    double score, uncovered;
     bool confirmed;
   };
   std::size_t examined = 0, largest = 0, work = 0;
@@ -1853,10 +1853,9 @@ void PlannedAllocator::detect() {
     double uncovered = 0.0;
     const double cov = coverage(n, p, nullptr, stride, &uncovered);
     const double score = cov + (confirmed ? 0.01 : 0.0);
-    scored.push_back({p, score, cov, uncovered, confirmed});
+    scored.push_back({p, score, uncovered, confirmed});
     if (score > best_score) {
       best_score = score;
-      best_cov = cov;
       best_p = p;
     }
   };
@@ -1882,11 +1881,10 @@ void PlannedAllocator::detect() {
   for (auto c = scored.begin(); c != best; ++c) {
     if (c->confirmed == best->confirmed && c->uncovered <= best->uncovered) {
       best_p = c->period;
-      best_cov = c->cov;
       break;
     }
   }
-  if (best_p != 0) {
+  if (best_p != 0) {  // exact, where candidates were scored on a sample
     best_cov = coverage(n, best_p, nullptr);
     work += best_p;
   }
