@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 RESULT = HERE / "results" / "reserved_accuracy.json"
-POLICIES = ("torch", "torch=expandable_segments:True", "pymemplan", "pymemplan-vmm")
+POLICIES = ("torch", "torch=expandable_segments:True", "pymemplan", "pymemplan-vmm", "pymemplan-planned")
 SHORT = {"torch=expandable_segments:True": "torch expandable"}  # column names
 
 
