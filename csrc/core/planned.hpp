@@ -21,8 +21,11 @@
 //   share of the bytes allocated in the last P events whose lifetime is known (freed, or
 //   predicted from the same allocation one period earlier) and at most P (>= 50% to be
 //   planned; scored on a sample, exact for the winner). Confirmed candidates (the last P events
-//   equal the P before) win ties; where the window is all one shorter confirmed repetition
-//   (repeated layers), only its multiples by powers of two are examined. Detection runs while
+//   equal the P before) win ties; the best then gives way to the shortest candidate before it,
+//   confirmed or not as it is, that leaves no more bytes of unknown lifetime (a request the
+//   iteration does not usually make is one such block in every longer candidate); where the
+//   window is all one shorter confirmed repetition (repeated layers), only its multiples by
+//   powers of two are examined. Detection runs while
 //   there is no plan, the active plan diverged within its last period, or the active plan is
 //   too small to arm (a period of layers must not hide the iteration), at most once per (its
 //   work / 32) events; while a plan worth arming matches, the window index is not even
