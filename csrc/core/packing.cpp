@@ -305,7 +305,7 @@ bool lifetimes_overlap(const PackBlock& a, const PackBlock& b, std::size_t perio
   return ba < a.life || ab < b.life;
 }
 
-std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period) {
+std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period, std::size_t* at) {
   if (blocks.empty() || period == 0) return 0;
   std::vector<std::pair<std::size_t, long long>> delta;  // (time, change), sorted below
   delta.reserve(3 * blocks.size());
@@ -325,11 +325,16 @@ std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period)
   delta.emplace_back(0, at_zero);
   std::sort(delta.begin(), delta.end());
   long long live = 0, peak = 0;
+  std::size_t when = 0;
   for (std::size_t k = 0; k < delta.size();) {
     const std::size_t t = delta[k].first;
     for (; k < delta.size() && delta[k].first == t; ++k) live += delta[k].second;
-    if (t < period) peak = std::max(peak, live);
+    if (t < period && live > peak) {
+      peak = live;
+      when = t;
+    }
   }
+  if (at != nullptr) *at = when;
   return static_cast<std::size_t>(peak);
 }
 

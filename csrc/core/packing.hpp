@@ -58,8 +58,10 @@ struct PackResult {
 
 // Whether two blocks are alive at a common time step.
 bool lifetimes_overlap(const PackBlock& a, const PackBlock& b, std::size_t period);
-// The peak over time of the sum of the sizes of the alive blocks.
-std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period);
+// The peak over time of the sum of the sizes of the alive blocks; `at`, if given, gets the
+// first time step it is reached at.
+std::size_t live_bound(const std::vector<PackBlock>& blocks, std::size_t period,
+                       std::size_t* at = nullptr);
 // The sum of the sizes of the alive blocks at each time step 0 .. period - 1.
 std::vector<long long> live_profile(const std::vector<PackBlock>& blocks, std::size_t period);
 // The blocks with their times replaced by ranks among the distinct start and end times (and
