@@ -15,7 +15,10 @@ against the peak reserved. It also records each model's run under PyTorch's allo
 peak, what the replay engine's model of that allocator reserves on the recorded run, and how
 closely the planner's predicted step follows the recorded step's allocations, in order
 (``allocation_match``: whether a plan made from the prediction could serve the first steps).
-Writes benchmarks/results/gpu_check.json. Sized to finish in about 9 minutes on one H100/H200.
+First it replays two random training loops through the plugin with each of our policies
+(benchmarks/gpu_replay.py: what a driver call costs on this GPU, and the CUDA path's peak and
+driver calls beside the simulated device's). Writes benchmarks/results/gpu_check.json, after each stage.
+Sized to finish in about 10 minutes on one H100/H200 (never yet timed on one).
 
     python benchmarks/gpu_check.py --predict-only   # the predictions alone; no GPU needed
 """
@@ -247,7 +250,27 @@ def main() -> int:
         print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
     tests = subprocess.run(gpu_tests_command(), timeout=300)
-    rows, recorded = [], {}
+    rows, recorded, replays = [], {}, []
+
+    def save():
+        # After each stage, so that a run cut short still leaves what it measured.
+        RESULT.parent.mkdir(exist_ok=True)
+        RESULT.write_text(json.dumps({"device": torch.cuda.get_device_name(0),
+                                      "torch": torch.__version__,
+                                      "gpu_tests_exit_code": tests.returncode,
+                                      "runs": rows, "recorded": recorded,
+                                      "driver_calls": replays}, indent=2) + "\n")
+
+    # What the policies' driver calls cost here (benchmarks/gpu_replay.py): traces replayed
+    # through the plugin on this GPU, beside the same policy on the simulated device.
+    import gpu_replay
+
+    try:
+        replays = gpu_replay.run(gpu_replay.TRACES, torch.cuda.get_device_properties(0).total_memory,
+                                 timeout=240)
+    except (subprocess.SubprocessError, OSError) as e:
+        replays = [{"error": str(e)[-2000:]}]
+    save()
     for model in ("resnet50", "gpt2"):
         predicted = predictions(model, with_trace=True)
         try:
@@ -276,6 +299,7 @@ def main() -> int:
                 row["reserved_prediction_error"] = (predicted[mode] / row["peak_reserved_bytes"]
                                                     - 1)
             rows.append(row)
+            save()
             print(f"{model:9s} {mode:18s} reserved {row['peak_reserved_bytes'] / 2**30:7.2f} GiB  "
                   f"allocated {row['peak_allocated_bytes'] / 2**30:7.2f} GiB  "
                   f"step {row['median_step_s'] * 1e3:7.1f} ms", flush=True)
@@ -285,13 +309,10 @@ def main() -> int:
         if base is not None and "error" not in row:
             row["reserved_over_native"] = row["peak_reserved_bytes"] / base["peak_reserved_bytes"]
             row["step_time_over_native"] = row["median_step_s"] / base["median_step_s"]
-    RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps({"device": torch.cuda.get_device_name(0),
-                                  "torch": torch.__version__,
-                                  "gpu_tests_exit_code": tests.returncode,
-                                  "runs": rows, "recorded": recorded}, indent=2) + "\n")
+    save()
     print(f"-> {RESULT}")
-    return 0 if tests.returncode == 0 and all("error" not in r for r in rows) else 1
+    replayed = all("error" not in r for r in replays)
+    return 0 if tests.returncode == 0 and replayed and all("error" not in r for r in rows) else 1
 
 
 if __name__ == "__main__":
