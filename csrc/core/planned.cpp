@@ -1538,18 +1538,18 @@ bool PlannedAllocator::worth_an_arena(const Plan& p) const {
 }
 
 std::size_t PlannedAllocator::freed_before_peak(const Plan& p) const {
-  // A plan recognised by its first p.skip requests arms with a layout that leaves them out:
-  // the pool served them, and their blocks are among what the pool holds now. Those the pass
-  // frees before its peak hold nothing there (their pages go idle, and the grow mark lends
-  // them to the arena), yet counted as held for good they doubled the bytes of the step's
-  // first activations wherever the peak comes after those are freed (the end of backward,
-  // the optimizer's step): random training loop 9 over 40 steps, batch sizes drawn from
-  // three, refused its largest size's plan at every step (16,987 MB weighed against a pool
-  // that held 16,813), the pool served those steps, and the next planned step mapped back
-  // the arena pages they took: 78,249 page maps and unmaps over the second half, against
-  // 8,486 now, at a lower peak. Counted: the whole pages inside each such block (a page it
-  // shares with another block may stay in use: counting bytes, an evaluation loop's plan
-  // was accepted 3 pages too low and went 2 MiB past the pool's peak).
+  // Variant 1 (a plan recognised by its first p.skip requests, or armed in the pass it was
+  // found in) leaves those requests to the pool, which served them: their blocks are among
+  // what the pool holds now. Those the pass frees before its peak hold nothing there (their
+  // pages go idle, and the grow mark lends them to the arena), yet counted as held for good
+  // they doubled the bytes of the step's first activations wherever the peak comes after
+  // those are freed (the end of backward, the optimizer's step): random training loop 9 over
+  // 40 steps, batch sizes drawn from three, refused its largest size's plan at every step
+  // (16,987 MB weighed against a pool that held 16,813), the pool served those steps, and the
+  // next planned step mapped back the arena pages they took: 78,249 page maps and unmaps over
+  // the second half, against 8,486 now, at a lower peak. Counted: the whole pages inside each
+  // such block (a page it shares with another block may stay in use: counting bytes, an
+  // evaluation loop's plan was accepted 3 pages too low and went 2 MiB past the pool's peak).
   const std::size_t skipped = std::min(p.skip, p.slots.size());
   if (skipped == 0 || allocs_ < skipped) return 0;
   std::size_t now = 0;  // the plan's time just after its last skipped request
@@ -1560,14 +1560,15 @@ std::size_t PlannedAllocator::freed_before_peak(const Plan& p) const {
   std::vector<PackBlock> blocks = variant_blocks(p, 1, nullptr);
   const std::size_t variant = blocks.size();
   for (std::size_t j = 0; j < skipped; ++j) {
-    if (p.slot_block[j] == kNoOffset) continue;  // outlives the period: held for good
+    if (p.slot_block[j] == kNoOffset) continue;  // no lifetime known: held
     const PackBlock& b = p.blocks[p.slot_block[j]];
     if (b.start + b.life > now) blocks.push_back(b);
   }
   if (blocks.size() == variant) return 0;
   std::size_t peak = 0;
   live_bound(blocks, p.period, &peak);
-  // Slot j is request allocs_ - skipped + j (the last one is being served: not in the pool).
+  // Slot j is request allocs_ - skipped + j (recognised by them, the plan arms before the last
+  // is served; armed mid-pass, after).
   const std::uint64_t first = allocs_ - skipped;
   std::size_t gone = 0;
   for (const auto& [addr, l] : live_) {
@@ -1609,7 +1610,7 @@ bool PlannedAllocator::arm(int v) {
   if (p.bound[v] == 0) p.bound[v] = live_bound(variant_blocks(p, v, nullptr), p.period);
   const std::size_t at_least = round_up(p.bound[v], page());
   const std::size_t keep = p.packed[v] ? round_up(p.arena[v], page()) : at_least;
-  const std::size_t gone = v == 1 && mid_pass_need_ == 0 ? freed_before_peak(p) : 0;
+  const std::size_t gone = v == 1 ? freed_before_peak(p) : 0;
   // Weighed as if trimmed, trimmed only if used: a plan refused after giving the pool's
   // unused pages back had them mapped again by the next steps (a loop whose plans never
   // armed: 782 page maps and unmaps against 238 for pymemplan-vmm, at the same peak).
