@@ -67,8 +67,9 @@
 //   input batch made before the last is released), the plan arms once it is served, so that the
 //   pool's memory is measured with it; the block it replaces (the oldest live one of its token,
 //   about a period old) is released within the pass and is not counted as held; nor, for a plan
-//   recognised by its first kPrefix requests, are the whole pages inside those of their blocks
-//   that the pass frees before its peak (freed_before_peak()).
+//   that leaves a pass's first requests to the pool (recognised by them, or armed mid-pass), are
+//   the whole pages inside those of their blocks that the pass frees before its peak
+//   (freed_before_peak()).
 // - Arming mid-pass (arm_mid_pass()). A plan made within two match windows (and a quarter of
 //   its period) of its cut, with virtual memory, serves the rest of that pass (the second
 //   step, where the first step's plan is found: often the run's peak, the first step with the
@@ -349,8 +350,8 @@ class PlannedAllocator : public Allocator {
   bool boundary(bool arm_now = true);
   void arm_at_cut();
   bool arm(int variant);
-  // Bytes of the blocks of variant 1's skipped requests that are alive now and freed before
-  // the pass's peak (see arm()).
+  // The whole pages inside the blocks of variant 1's skipped requests that are alive now and
+  // freed before the pass's peak (see arm()).
   std::size_t freed_before_peak(const Plan& p) const;
   // Variant 1 of p leaves out its first `skip` slots from now on (repacked when next armed).
   void set_skip(Plan& p, std::size_t skip);
