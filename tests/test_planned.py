@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import random
 from pathlib import Path
 
@@ -94,6 +95,20 @@ class Runner:
 
     def plan(self):
         return self.alloc.plan_stats()
+
+
+def run_trace(r, trace, live=None, start=0, stop=None):
+    """Drives Runner r through events [start, stop) of a recorded or synthetic trace; returns
+    the trace's live pointers mapped to r's (pass them back to go on)."""
+    live = {} if live is None else live
+    rows = zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+               trace.stream.tolist())
+    for a, ptr, n, st in itertools.islice(rows, start, stop):
+        if a == 0:
+            live[ptr] = r.alloc.malloc(n, st)
+        else:
+            r.alloc.free(live.pop(ptr))
+    return live
 
 
 def run_prologue(r):
@@ -1274,13 +1289,7 @@ def test_a_window_every_step_shares_waits_for_the_requests_that_tell_the_steps_a
     trace = _long_random_run(1)
 
     r = Runner()
-    live = {}
-    for a, ptr, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
-                             trace.stream.tolist()):
-        if a == 0:
-            live[ptr] = r.alloc.malloc(n, st)
-        else:
-            r.alloc.free(live.pop(ptr))
+    run_trace(r, trace)
     assert r.plan()["detection_ties"] >= 1
 
 
@@ -1296,18 +1305,11 @@ def test_a_plan_recognised_by_its_first_requests_counts_what_they_free_before_it
     trace = _long_random_run(9)
 
     r = Runner()
-    live = {}
     half = len(trace) // 2
-    hits = requests = 0
-    for i, (a, ptr, n, st) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(),
-                                            trace.size.tolist(), trace.stream.tolist())):
-        if i == half:
-            hits = r.plan()["plan_hits"]
-        if a == 0:
-            live[ptr] = r.alloc.malloc(n, st)
-            requests += i >= half
-        else:
-            r.alloc.free(live.pop(ptr))
+    live = run_trace(r, trace, stop=half)
+    hits = r.plan()["plan_hits"]
+    run_trace(r, trace, live, start=half)
+    requests = int((trace.action[half:] == 0).sum())
     # Every size's plan serves its steps (73% of the requests before).
     assert r.plan()["plan_hits"] - hits >= 0.9 * requests
 
@@ -1326,13 +1328,7 @@ def test_a_plan_armed_mid_pass_counts_what_the_pass_frees_before_its_peak_as_a_r
 
     trace = random_training(68)
     r = Runner()
-    live = {}
-    for a, ptr, n, st in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
-                             trace.stream.tolist()):
-        if a == 0:
-            live[ptr] = r.alloc.malloc(n, st)
-        else:
-            r.alloc.free(live.pop(ptr))
+    run_trace(r, trace)
     assert r.plan()["mid_pass_arms"] >= 1
     peak = r.alloc.stats()["reserved_bytes.all.peak"]
     vmm = _core.replay(trace.action, trace.ptr, trace.size, trace.stream, "pymemplan-vmm", "",
