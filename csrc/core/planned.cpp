@@ -1556,7 +1556,9 @@ std::size_t PlannedAllocator::freed_before_peak(const Plan& p) const {
   for (std::size_t j = 0; j < skipped; ++j) {
     if (p.slot_block[j] != kNoOffset) now = std::max(now, p.blocks[p.slot_block[j]].start + 1);
   }
-  auto alive_at = [&](const PackBlock& b, std::size_t t) { return (t + p.period - b.start) % p.period < b.life; };
+  auto alive_at = [&](const PackBlock& b, std::size_t t) {
+    return (t + p.period - b.start) % p.period < b.life;
+  };
   std::vector<PackBlock> blocks = variant_blocks(p, 1, nullptr);
   const std::size_t variant = blocks.size();
   for (std::size_t j = 0; j < skipped; ++j) {
@@ -1622,7 +1624,7 @@ bool PlannedAllocator::arm(int v) {
   // Pages of a block the pass's first request replaces (see allocate_locked) are not held
   // for good: it is released within the pass.
   const std::size_t replaced = std::min(replaced_bytes_ / page() * page(), pool_bytes);
-  const auto held = pool_bytes - replaced - std::min(gone / page() * page(), pool_bytes - replaced);
+  const auto held = pool_bytes - replaced - std::min(gone, pool_bytes - replaced);  // whole pages
   last_held_ = held;
   last_footprint_ = held + at_least;
   // The plan is used if its steady footprint (what the pool holds for live blocks, plus the
