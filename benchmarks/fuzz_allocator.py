@@ -38,6 +38,9 @@ CONFIGS = [
     # Last, so that the configurations above keep their seeds (--seed + index).
     ("torch", "expandable_segments:True", 4 * GiB, 0, 3, True),
     ("torch", "expandable_segments:True", 16 * GiB, 96 * MiB, 3, True),  # under memory pressure
+    # The model of GMLake, stitching every large request (as shipped, only those of 512 MiB).
+    ("gmlake", "frag_limit_mb:0", 4 * GiB, 0, 3, True),
+    ("gmlake", "frag_limit_mb:0", 16 * GiB, 96 * MiB, 3, True),  # under memory pressure
 ]
 
 

@@ -44,7 +44,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "results" / "gpu_replay.json"
-POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned")
+# The model of GMLake (stitching every large request) too: the same comparison on the GPU.
+POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "gmlake=frag_limit_mb:0")
 TRACES = {"random_training_9_x40": (9, 40), "random_training_4_x40": (4, 40)}
 QUICK = {"random_training_2": (2, None)}
 
@@ -55,13 +56,14 @@ WORKER = textwrap.dedent("""
     import numpy as np
     from pymemplan import _core
     from pymemplan.allocator._library import load
-    policy, path = sys.argv[1], sys.argv[2]
+    spec, path = sys.argv[1], sys.argv[2]
+    policy, _, config = spec.partition("=")
     t = np.load(path)
     action, ptr, size, stream = (t[k] for k in ("action", "ptr", "size", "stream"))
     if len(set(stream.tolist())) > 1:
         raise SystemExit(f"{path}: requests on several streams; this replay makes them all on one")
     lib = load()
-    assert lib.pymemplan_configure(policy.encode(), b"") == 0, lib.pymemplan_last_error()
+    assert lib.pymemplan_configure(policy.encode(), config.encode()) == 0, lib.pymemplan_last_error()
 
     def stats():
         buf = ctypes.create_string_buffer(1 << 16)
@@ -93,7 +95,7 @@ WORKER = textwrap.dedent("""
         f(q, 0, 0, None)
     lib.pymemplan_empty_cache(0)
     t0 = time.perf_counter()
-    sim = _core.replay(action, ptr, size, stream, policy, "", capacity, 2 << 20, half)
+    sim = _core.replay(action, ptr, size, stream, policy, config, capacity, 2 << 20, half)
     sim_wall = time.perf_counter() - t0
     calls = lambda s: int(s["num_device_alloc"]) + int(s["num_device_free"])
     print(json.dumps({

@@ -24,6 +24,11 @@ POLICIES = [
     # Short periods, so that the repeated `iteration` rule below gets plans that serve.
     ("pymemplan-planned", "min_period:4,match_window:4"),
     ("pymemplan-planned", "min_period:4,match_window:4,vmm:False"),
+    # The model of GMLake: stitching as it ships (requests of 512 MiB and up: none here),
+    # for every large request, and with stitched blocks reused only where they fit closely.
+    ("gmlake", ""),
+    ("gmlake", "frag_limit_mb:0"),
+    ("gmlake", "frag_limit_mb:0,reuse_limit:1.5"),
 ]
 STREAMS = st.sampled_from([0, 1, 2])
 SIZES = st.one_of(

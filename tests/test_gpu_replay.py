@@ -34,7 +34,7 @@ def test_the_cuda_path_takes_the_simulated_devices_decisions(tmp_path):
     r, result = replay(tmp_path, 1 << 30)
     assert r.returncode == 0, r.stdout + r.stderr
     runs = {row["policy"]: row for row in result["runs"]}
-    assert set(runs) == {"pymemplan", "pymemplan-vmm", "pymemplan-planned"}
+    assert set(runs) == {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "gmlake=frag_limit_mb:0"}
     for row in runs.values():
         # The same decisions, up to ties best fit breaks by address, which the fake driver's
         # mmap hands out in another order than the simulated device (the same on this small

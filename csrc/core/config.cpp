@@ -175,8 +175,9 @@ std::size_t PolicyConfig::divisions_for(std::size_t size) const {
 }
 
 std::vector<std::string> PolicyConfig::policy_names() {
-  // pymemplan-planned is built by the factory (planned.cpp) around a pymemplan pool.
-  return {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache"};
+  // pymemplan-planned is built by the factory (planned.cpp) around a pymemplan pool; gmlake,
+  // a model of the published allocator for comparisons, by the factory too (gmlake.cpp).
+  return {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache", "gmlake"};
 }
 
 std::string PolicyConfig::policy_name() const {
