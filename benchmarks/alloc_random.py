@@ -53,7 +53,10 @@ from pymemplan.traces.replay import parse_policy  # noqa: E402
 RESULTS = {"training": HERE / "results" / "alloc_random.json",
            "evaluation": HERE / "results" / "alloc_random_evaluation.json"}
 EXPANDABLE = "torch=expandable_segments:True"  # PyTorch's own remedy for fragmentation
-POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDABLE)
+# The model of GMLake (csrc/core/gmlake.hpp), as it ships (only requests of 512 MiB and up
+# stitched) and stitching every request over 1 MiB.
+GMLAKE, GMLAKE_ALL = "gmlake", "gmlake=frag_limit_mb:0"
+POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDABLE, GMLAKE, GMLAKE_ALL)
 # Differences under this share of the live bytes are one page on the smallest runs, not a
 # pattern: a plan that arms, diverges and leaves the pool another layout may cost a page.
 TOLERANCE = 0.005
@@ -151,6 +154,11 @@ def main() -> int:
         "pymemplan-vmm above torch expandable": over("pymemplan-vmm", EXPANDABLE),
         "pymemplan-planned above torch expandable": over("pymemplan-planned", EXPANDABLE),
         "torch expandable above torch": over(EXPANDABLE, "torch"),
+        "pymemplan-vmm above gmlake": over("pymemplan-vmm", GMLAKE),
+        "pymemplan-vmm above gmlake stitching all": over("pymemplan-vmm", GMLAKE_ALL),
+        "pymemplan-planned above gmlake": over("pymemplan-planned", GMLAKE),
+        "pymemplan-planned above gmlake stitching all": over("pymemplan-planned", GMLAKE_ALL),
+        "gmlake stitching all above torch": over(GMLAKE_ALL, "torch"),
         "restarted above pymemplan-planned": over(RESTARTED, "pymemplan-planned"),
         "pymemplan-planned above restarted": over("pymemplan-planned", RESTARTED),
     }

@@ -52,8 +52,12 @@ LAG = 64
 # PyTorch's allocator as it is, and with expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF),
 # its own answer to fragmentation.
 EXPANDABLE = "torch=expandable_segments:True"
-POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDABLE, "nocache")
-SHORT = {EXPANDABLE: "torch expandable"}  # column names
+# The model of GMLake (csrc/core/gmlake.hpp): as it ships, where only requests of 512 MiB and
+# up are stitched, and stitching every request over 1 MiB (frag_limit_mb:0), its best here.
+GMLAKE, GMLAKE_ALL = "gmlake", "gmlake=frag_limit_mb:0"
+POLICIES = ("pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", EXPANDABLE, GMLAKE,
+            GMLAKE_ALL, "nocache")
+SHORT = {EXPANDABLE: "torch expandable", GMLAKE_ALL: "gmlake stitching all"}  # column names
 # Traces in which no iteration repeats: every step has a sequence length of its own (see
 # workloads()), every decoding step a longer cache, every step other expert loads (moe_4l) or
 # a graph of another size (gnn_varsize), so there is no steady state for a plan to reach.
@@ -1114,10 +1118,18 @@ def main() -> int:
             r["oom_capacity_bytes"] = oom_capacity(trace, r["policy"], r["peak_live_bytes"],
                                                    max(r["peak_reserved_bytes"], r["peak_live_bytes"]) + PAGE)
         torch_cap = next(r["oom_capacity_bytes"] for r in results if r["policy"] == "torch")
+        # GMLake's: the smaller of its two settings' (the one that runs on the smaller device).
+        gm_caps = [r["oom_capacity_bytes"] for r in results
+                   if r["policy"] in (GMLAKE, GMLAKE_ALL) and r["oom_capacity_bytes"] is not None]
+        gm_cap = min(gm_caps) if len(gm_caps) == 2 else None
         for r in results:
             r["ooms_at_torch_oom_capacity"] = None if torch_cap is None else _core.replay(
                 trace.action, trace.ptr, trace.size, trace.stream, *parse_policy(r["policy"]),
                 torch_cap, PAGE)["ooms"]
+            if r["policy"].startswith("pymemplan"):
+                r["ooms_at_gmlake_oom_capacity"] = None if gm_cap is None else _core.replay(
+                    trace.action, trace.ptr, trace.size, trace.stream,
+                    *parse_policy(r["policy"]), gm_cap, PAGE)["ooms"]
             # Driver calls once the steps repeat: device allocations + frees over the last
             # third of the trace. A steady state should make none (a cudaFree, or unmapping a
             # page, waits for the device's queued work).
@@ -1188,6 +1200,13 @@ def main() -> int:
                  "pages_over_3pct": pages_over(o["peak_reserved_bytes"], o["peak_live_bytes"], 1.03),
                  "at_most_torch": o["peak_reserved_bytes"] <= t["peak_reserved_bytes"],
                  "runs_where_torch_fails": o["ooms_at_torch_oom_capacity"] in (0, None)}
+            if (name, GMLAKE) in by and (name, GMLAKE_ALL) in by:
+                # Against GMLake, the better of its two settings on this trace.
+                gm = min(by[(name, GMLAKE)]["peak_reserved_bytes"],
+                         by[(name, GMLAKE_ALL)]["peak_reserved_bytes"])
+                v["over_gmlake"] = o["peak_reserved_bytes"] / gm
+                v["at_most_gmlake"] = o["peak_reserved_bytes"] <= gm
+                v["runs_where_gmlake_fails"] = o.get("ooms_at_gmlake_oom_capacity") in (0, None)
             if pol == "pymemplan":
                 v["target_met"] = v["at_most_torch"] and o["reserved_over_live"] <= 1.05
             elif pol == "pymemplan-vmm":
@@ -1240,19 +1259,19 @@ def main() -> int:
         return SHORT.get(p, p)
 
     ours = [p for p in policies if p.startswith("pymemplan")]
-    torches = [p for p in policies if p.startswith("torch")]
+    others = [p for p in policies if p.startswith(("torch", "gmlake"))]
     print("Peak reserved / peak live, over the whole trace and in the steady state "
           "(from the first request a plan served); floor: the live bytes in whole pages; "
           "offline: every block placed knowing the whole trace:\n")
     print(table(["trace", "events", "peak live", "floor", "offline"] + [short(p) for p in policies]
-                + ["steady: offline"] + [f"steady: {short(p)}" for p in ours + torches],
+                + ["steady: offline"] + [f"steady: {short(p)}" for p in ours + others],
                 lambda n: [n, f"{by[(n, policies[0])]['events']:,}",
                            format_bytes(by[(n, policies[0])]["peak_live_bytes"]),
                            ratio(page_floor(by[(n, policies[0])]["peak_live_bytes"])),
                            ratio(offline[n][0])]
                 + [ratio(by[(n, p)]["reserved_over_live"]) for p in policies]
                 + [ratio(offline[n][1])]
-                + [ratio(by[(n, p)]["steady_reserved_over_live"]) for p in ours + torches]))
+                + [ratio(by[(n, p)]["steady_reserved_over_live"]) for p in ours + others]))
     print("\nThe largest capacity at which each policy still fails (smaller is better), "
           "device calls and replay speed:\n")
     cap = [p for p in policies if p != "nocache"]
@@ -1344,6 +1363,14 @@ def main() -> int:
               f"two: {sum(m == 2 for m in steady)}, more: {sum(m is not None and m > 2 for m in steady)}, "
               f"no steady state: "
               f"{sum(m is None for m in steady)}).")
+    if GMLAKE in policies and GMLAKE_ALL in policies:
+        for pol in ("pymemplan-vmm", "pymemplan-planned"):
+            rows_ = [v for v in verdicts if v["policy"] == pol]
+            print(f"{pol} against GMLake (the better of its two settings on each trace): no more "
+                  f"reserved on {sum(v['at_most_gmlake'] for v in rows_)} of {len(rows_)} traces "
+                  f"(at most {max(v['over_gmlake'] for v in rows_):.3f} of it, median "
+                  f"{sorted(v['over_gmlake'] for v in rows_)[len(rows_) // 2]:.3f}); runs where "
+                  f"GMLake first fails on {sum(v['runs_where_gmlake_fails'] for v in rows_)}.")
     print(f"-> {RESULT}")
     return 0
 
