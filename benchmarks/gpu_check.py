@@ -4,8 +4,9 @@
 
 Trains resnet50 and GPT-2 small (random init) for 20 steps each with PyTorch's native
 allocator, native with expandable_segments:True, pymemplan, pymemplan-vmm and
-pymemplan-planned, each in its own process, and pymemplan-planned once more, restarted
-with the plans the first run saved at exit (PYMEMPLAN_PLANS). It reports the peak reserved and peak allocated bytes (from each allocator's own
+pymemplan-planned, each in its own process, pymemplan-planned once more, restarted
+with the plans the first run saved at exit (PYMEMPLAN_PLANS), and the model of GMLake
+(policy gmlake, stitching every request over 1 MiB) through the same plugin. It reports the peak reserved and peak allocated bytes (from each allocator's own
 stats), the median step time, and the ratios to native. Beside the native runs it puts
 the planner's predictions for the same step, made without the GPU: the peak of live bytes
 (``pymemplan.trace(..., device="cuda").peak_bytes``) against the peak allocated, and the
@@ -15,8 +16,8 @@ against the peak reserved. It also records each model's run under PyTorch's allo
 peak, what the replay engine's model of that allocator reserves on the recorded run, and how
 closely the planner's predicted step follows the recorded step's allocations, in order
 (``allocation_match``: whether a plan made from the prediction could serve the first steps).
-First it replays two random training loops through the plugin with each of our policies
-(benchmarks/gpu_replay.py: what a driver call costs on this GPU, and the CUDA path's peak and
+First it replays two random training loops through the plugin with each of our policies and
+GMLake's model (benchmarks/gpu_replay.py: what a driver call costs on this GPU, and the CUDA path's peak and
 driver calls beside the simulated device's). Writes benchmarks/results/gpu_check.json, after each stage.
 Sized to finish in about 10 minutes on one H100/H200 (never yet timed on one).
 
@@ -46,6 +47,9 @@ MODES = {
     # (PYMEMPLAN_PLANS, a file set by main() for both runs).
     "pymemplan_planned_restarted": {"PYMEMPLAN_ENABLE": "1",
                                     "PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-planned"},
+    # The model of GMLake through the same plugin, stitching every request over 1 MiB.
+    "gmlake_stitching_all": {"PYMEMPLAN_ENABLE": "1",
+                             "PYMEMPLAN_ALLOC_CONF": "policy:gmlake,frag_limit_mb:0"},
 }
 
 # The training step both workers run; DEVICE and SMALL (a dry run: small shapes) come from
@@ -183,7 +187,8 @@ def predictions(model_name, with_trace=False) -> dict:
 # Each mode's allocator, as the replay engine models it.
 REPLAYED_POLICY = {"native": "torch", "native_expandable": "torch=expandable_segments:True",
                    "pymemplan": "pymemplan", "pymemplan_vmm": "pymemplan-vmm",
-                   "pymemplan_planned": "pymemplan-planned"}
+                   "pymemplan_planned": "pymemplan-planned",
+                   "gmlake_stitching_all": "gmlake=frag_limit_mb:0"}
 # Requests in a row that a plan needs to recognise where it is (planned.hpp: kPrefix).
 RUN = 8
 
