@@ -24,11 +24,17 @@ def stitched_segments(alloc):
     return [s for s in alloc.snapshot()["segments"] if s["page_mapped"] and all(s["page_aliased"])]
 
 
+def two_free_segments(alloc, sizes=(30, 40)):
+    """Segments of these sizes (MiB), freed: free blocks that cannot merge."""
+    blocks = [alloc.malloc(n * MiB, 0) for n in sizes]
+    for p in blocks:
+        alloc.free(p)
+    return blocks
+
+
 def test_free_blocks_of_two_segments_are_stitched_into_one_request_without_new_memory():
     device, alloc = make()
-    a, b = alloc.malloc(30 * MiB, 0), alloc.malloc(40 * MiB, 0)
-    alloc.free(a)
-    alloc.free(b)
+    a, b = two_free_segments(alloc)
     assert reserved(alloc) == 70 * MiB
     c = alloc.malloc(60 * MiB, 0)
     # 40 MiB and the front 20 of the 30: one new address range over pages already held.
@@ -45,16 +51,12 @@ def test_free_blocks_of_two_segments_are_stitched_into_one_request_without_new_m
 
 def test_as_shipped_only_requests_of_512_mib_are_stitched():
     device, alloc = make(config="")
-    a, b = alloc.malloc(30 * MiB, 0), alloc.malloc(40 * MiB, 0)
-    alloc.free(a)
-    alloc.free(b)
+    two_free_segments(alloc)
     c = alloc.malloc(60 * MiB, 0)
     assert reserved(alloc) == 130 * MiB and not stitched_segments(alloc)
     alloc.free(c)
     alloc.empty_cache()
-    big = [alloc.malloc(300 * MiB, 0), alloc.malloc(300 * MiB, 0)]
-    for p in big:
-        alloc.free(p)
+    two_free_segments(alloc, (300, 300))
     p = alloc.malloc(512 * MiB, 0)
     assert reserved(alloc) == 600 * MiB and len(stitched_segments(alloc)) == 1
     check_invariants(alloc, device, {p: 512 * MiB})
@@ -62,9 +64,7 @@ def test_as_shipped_only_requests_of_512_mib_are_stitched():
 
 def test_a_freed_stitched_block_is_cached_and_serves_a_request_no_block_fits():
     device, alloc = make()
-    a, b = alloc.malloc(30 * MiB, 0), alloc.malloc(40 * MiB, 0)
-    alloc.free(a)
-    alloc.free(b)
+    a, b = two_free_segments(alloc)
     c = alloc.malloc(60 * MiB, 0)
     alloc.free(c)
     # A block that fits goes first, even where the stitched one fits as well.
@@ -81,9 +81,7 @@ def test_a_freed_stitched_block_is_cached_and_serves_a_request_no_block_fits():
 
 def test_a_stitched_block_much_larger_than_the_request_is_not_reused():
     device, alloc = make(config="frag_limit_mb:0,reuse_limit:1.2")
-    a, b = alloc.malloc(30 * MiB, 0), alloc.malloc(40 * MiB, 0)
-    alloc.free(a)
-    alloc.free(b)
+    two_free_segments(alloc)
     c = alloc.malloc(60 * MiB, 0)
     alloc.free(c)
     # 60 MiB is more than 1.2 times 46: the free blocks are stitched again instead.
@@ -94,9 +92,7 @@ def test_a_stitched_block_much_larger_than_the_request_is_not_reused():
 
 def test_giving_back_a_segment_under_a_stitched_block_in_use_unmaps_only_what_it_does_not_serve():
     device, alloc = make()
-    blocks = [alloc.malloc(n * MiB, 0) for n in (40, 30, 12)]
-    for p in blocks:
-        alloc.free(p)
+    two_free_segments(alloc, (40, 30, 12))
     s = alloc.malloc(82 * MiB, 0)  # all three, whole
     alloc.free(s)
     t = alloc.malloc(50 * MiB, 0)  # the stitched block again: the 40, and 10 of the 30

@@ -228,11 +228,7 @@ void* CachingAllocator::malloc(std::int64_t size, StreamId stream) {
   Block* b;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (size <= 0) {
-      throw AllocatorError("invalid allocation size " + std::to_string(size) +
-                           ": the size must be a positive number of bytes");
-    }
-    b = allocate_locked(static_cast<std::size_t>(size), stream, &message);
+    b = allocate_locked(checked_request_size(size), stream, &message);
     if (b == nullptr) set_last_error(message);
   }
   if (b == nullptr) throw OutOfMemoryError(message);
@@ -241,12 +237,8 @@ void* CachingAllocator::malloc(std::int64_t size, StreamId stream) {
 
 void* CachingAllocator::try_malloc(std::int64_t size, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (size <= 0) {
-    throw AllocatorError("invalid allocation size " + std::to_string(size) +
-                         ": the size must be a positive number of bytes");
-  }
   std::string message;
-  Block* b = allocate_locked(static_cast<std::size_t>(size), stream, &message);
+  Block* b = allocate_locked(checked_request_size(size), stream, &message);
   if (b == nullptr) {
     set_last_error(std::move(message));
     return nullptr;
@@ -325,12 +317,9 @@ void CachingAllocator::set_memory_limit(std::size_t bytes) {
 }
 
 void CachingAllocator::set_memory_fraction(double fraction) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
-    throw AllocatorError("invalid memory fraction " + std::to_string(fraction) +
-                         ": expected a number in (0, 1]");
-  }
+  const std::size_t limit = limit_for_fraction(fraction, device_->capacity());
   std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = static_cast<std::size_t>(fraction * static_cast<double>(device_->capacity()));
+  limit_ = limit;
 }
 
 std::size_t CachingAllocator::memory_limit() const {
@@ -2418,15 +2407,7 @@ Block* CachingAllocator::block_at(void* ptr, const char* what) const {
 }
 
 void CachingAllocator::update_stat(StatArray Stats::*field, bool small, std::int64_t delta) {
-  StatArray& a = stats_.*field;
-  Stat& pool = a[small ? kSmallPool : kLargePool];
-  if (delta >= 0) {
-    a[kAllPools].increase(delta);
-    pool.increase(delta);
-  } else {
-    a[kAllPools].decrease(-delta);
-    pool.decrease(-delta);
-  }
+  pymemplan::update_stat(stats_.*field, small, delta);
 }
 
 Block* CachingAllocator::new_block() {

@@ -44,13 +44,6 @@ bool accepts(const KeyInfo& k, PolicyKind kind) {
   return true;
 }
 
-std::string trim(const std::string& s) {
-  std::size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
-  return s.substr(b, e - b);
-}
-
 std::string valid_keys(PolicyKind kind) {
   std::string out;
   for (const auto& k : kKeys) {
@@ -86,6 +79,13 @@ bool parse_bool(const std::string& key, const std::string& value) {
 }
 
 }  // namespace
+
+std::string trim_space(const std::string& s) {
+  std::size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
 
 std::vector<std::string> split_config_items(const std::string& conf) {
   std::vector<std::string> out(1);
@@ -133,8 +133,8 @@ void parse_divisions(const std::string& key, const std::string& value,
   while (std::getline(pairs, pair, ',')) {
     auto colon = pair.find(':');
     if (colon == std::string::npos) bad_value(key, value, expected);
-    const std::string size = trim(pair.substr(0, colon));
-    const std::size_t d = divisions(trim(pair.substr(colon + 1)));
+    const std::string size = trim_space(pair.substr(0, colon));
+    const std::size_t d = divisions(trim_space(pair.substr(colon + 1)));
     if (size == ">") {
       for (std::size_t i = last + 1; i < n; ++i) table[i] = d;
       continue;
@@ -211,7 +211,7 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
   }
 
   for (std::string item : split_config_items(conf)) {
-    item = trim(item);
+    item = trim_space(item);
     if (item.empty()) continue;
     auto colon = item.find(':');
     if (colon == std::string::npos) {
@@ -219,8 +219,8 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
                            "' is not of the form key:value; valid keys for policy '" + policy +
                            "': " + valid_keys(c.kind));
     }
-    std::string key = trim(item.substr(0, colon));
-    std::string value = trim(item.substr(colon + 1));
+    std::string key = trim_space(item.substr(0, colon));
+    std::string value = trim_space(item.substr(colon + 1));
     bool known = false;
     for (const auto& k : kKeys) {
       if (key == k.key && accepts(k, c.kind)) known = true;

@@ -21,6 +21,8 @@ enum class PolicyKind {
 // Items of a "key:value,..." config, split at the commas outside brackets: a list value
 // ("roundup_power2_divisions:[256:1,>:4]") keeps its commas.
 std::vector<std::string> split_config_items(const std::string& conf);
+// An item, key or value of a config without the spaces around it.
+std::string trim_space(const std::string& s);
 
 struct PolicyConfig {
   PolicyKind kind = PolicyKind::Pymemplan;

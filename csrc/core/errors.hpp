@@ -1,6 +1,8 @@
 // Errors the allocator reports. Each leaves the allocator in the state it had before the call.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -33,5 +35,24 @@ class DeviceOutOfMemory : public DeviceError {
 };
 
 std::string format_bytes(long long bytes);
+
+// The size of a request, checked: throws AllocatorError for size <= 0.
+inline std::size_t checked_request_size(std::int64_t size) {
+  if (size <= 0) {
+    throw AllocatorError("invalid allocation size " + std::to_string(size) +
+                         ": the size must be a positive number of bytes");
+  }
+  return static_cast<std::size_t>(size);
+}
+
+// The memory limit set_memory_fraction(fraction) sets on a device of `capacity` bytes;
+// throws AllocatorError for a fraction outside (0, 1].
+inline std::size_t limit_for_fraction(double fraction, std::size_t capacity) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw AllocatorError("invalid memory fraction " + std::to_string(fraction) +
+                         ": expected a number in (0, 1]");
+  }
+  return static_cast<std::size_t>(fraction * static_cast<double>(capacity));
+}
 
 }  // namespace pymemplan

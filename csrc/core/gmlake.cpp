@@ -20,12 +20,6 @@ const char* const kGMLakeKeys = "frag_limit_mb, reuse_limit";
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-std::string trim(const std::string& s) {
-  const auto b = s.find_first_not_of(" \t");
-  if (b == std::string::npos) return "";
-  return s.substr(b, s.find_last_not_of(" \t") - b + 1);
-}
-
 [[noreturn]] void bad_value(const std::string& key, const std::string& value, const char* expected) {
   throw AllocatorError("allocator config: bad value '" + value + "' for key '" + key +
                        "' of policy 'gmlake': expected " + expected);
@@ -39,15 +33,15 @@ std::string trim(const std::string& s) {
 GMLakeConfig GMLakeConfig::parse(const std::string& conf) {
   GMLakeConfig c;
   for (std::string item : split_config_items(conf)) {
-    item = trim(item);
+    item = trim_space(item);
     if (item.empty()) continue;
     const auto colon = item.find(':');
     if (colon == std::string::npos) {
       throw AllocatorError("allocator config: '" + item + "' is not of the form key:value; " +
                            "valid keys for policy 'gmlake': " + kGMLakeKeys);
     }
-    const std::string key = trim(item.substr(0, colon));
-    const std::string value = trim(item.substr(colon + 1));
+    const std::string key = trim_space(item.substr(0, colon));
+    const std::string value = trim_space(item.substr(colon + 1));
     if (key == "frag_limit_mb") {
       const char* expected = "an integer >= 0 (MiB; 0 stitches every request over 1 MiB)";
       std::size_t used = 0;
@@ -135,15 +129,7 @@ GMLakeAllocator::~GMLakeAllocator() {
 }
 
 void GMLakeAllocator::update_stat(StatArray Stats::*field, bool small, std::int64_t delta) {
-  StatArray& a = stats_.*field;
-  Stat& pool = a[small ? kSmallPool : kLargePool];
-  if (delta >= 0) {
-    a[kAllPools].increase(delta);
-    pool.increase(delta);
-  } else {
-    a[kAllPools].decrease(-delta);
-    pool.decrease(-delta);
-  }
+  pymemplan::update_stat(stats_.*field, small, delta);
 }
 
 // Snapshots show a block lent to a stitched block as inactive in its own segment: its bytes
@@ -206,24 +192,28 @@ void GMLakeAllocator::merge_free(Blk* b) {
   list(b);
 }
 
+GMLakeAllocator::Blk* GMLakeAllocator::new_blk(Seg* seg, std::size_t off, std::size_t size) {
+  Blk* b;
+  if (spare_.empty()) {
+    blk_store_.push_back(std::make_unique<Blk>());
+    b = blk_store_.back().get();
+  } else {
+    b = spare_.back();
+    spare_.pop_back();
+  }
+  *b = Blk{};
+  b->seg = seg;
+  b->off = off;
+  b->size = size;
+  return b;
+}
+
 GMLakeAllocator::Blk* GMLakeAllocator::carve(Blk* b, std::size_t off, std::size_t size) {
   Seg* seg = b->seg;
   split_stat(seg, -1);
   unlist(b);
   auto piece = [&](std::size_t at, std::size_t n) {
-    Blk* p;
-    if (spare_.empty()) {
-      blk_store_.push_back(std::make_unique<Blk>());
-      p = blk_store_.back().get();
-    } else {
-      p = spare_.back();
-      spare_.pop_back();
-    }
-    *p = Blk{};
-    p->seg = seg;
-    p->off = at;
-    p->size = n;
-    p->state = State::Free;
+    Blk* p = new_blk(seg, at, n);
     seg->blocks[at] = p;
     ++seg->inactive_n;  // bytes already counted in b's
     return p;
@@ -428,17 +418,7 @@ GMLakeAllocator::Blk* GMLakeAllocator::new_segment(bool small, std::size_t round
     seg->addr = reinterpret_cast<std::uintptr_t>(p);
     stats_.num_device_alloc += static_cast<std::int64_t>(n);
   }
-  Blk* b;
-  if (spare_.empty()) {
-    blk_store_.push_back(std::make_unique<Blk>());
-    b = blk_store_.back().get();
-  } else {
-    b = spare_.back();
-    spare_.pop_back();
-  }
-  *b = Blk{};
-  b->seg = seg.get();
-  b->size = bytes;
+  Blk* b = new_blk(seg.get(), 0, bytes);
   seg->blocks[0] = b;
   seg->inactive_n = 1;
   seg->inactive_bytes = bytes;
@@ -720,11 +700,7 @@ void* GMLakeAllocator::malloc(std::int64_t size, StreamId stream) {
   void* p;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (size <= 0) {
-      throw AllocatorError("invalid allocation size " + std::to_string(size) +
-                           ": the size must be a positive number of bytes");
-    }
-    p = allocate_locked(static_cast<std::size_t>(size), stream, &message);
+    p = allocate_locked(checked_request_size(size), stream, &message);
     if (p == nullptr) last_error_ = message;
   }
   if (p == nullptr) throw OutOfMemoryError(message);
@@ -733,12 +709,8 @@ void* GMLakeAllocator::malloc(std::int64_t size, StreamId stream) {
 
 void* GMLakeAllocator::try_malloc(std::int64_t size, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (size <= 0) {
-    throw AllocatorError("invalid allocation size " + std::to_string(size) +
-                         ": the size must be a positive number of bytes");
-  }
   std::string message;
-  void* p = allocate_locked(static_cast<std::size_t>(size), stream, &message);
+  void* p = allocate_locked(checked_request_size(size), stream, &message);
   if (p == nullptr) last_error_ = std::move(message);
   return p;
 }
@@ -766,12 +738,9 @@ void GMLakeAllocator::set_memory_limit(std::size_t bytes) {
 }
 
 void GMLakeAllocator::set_memory_fraction(double fraction) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
-    throw AllocatorError("invalid memory fraction " + std::to_string(fraction) +
-                         ": expected a number in (0, 1]");
-  }
+  const std::size_t limit = limit_for_fraction(fraction, device_->capacity());
   std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = static_cast<std::size_t>(fraction * static_cast<double>(device_->capacity()));
+  limit_ = limit;
 }
 
 std::size_t GMLakeAllocator::memory_limit() const {

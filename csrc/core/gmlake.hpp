@@ -146,6 +146,8 @@ class GMLakeAllocator : public Allocator {
   bool process_events(bool wait);
   void finish_free_block(Blk* b);
   void finish_free_stitch(Stitch* s);
+  // A free block of seg (from spare_ where one is), in no list or map yet.
+  Blk* new_blk(Seg* seg, std::size_t off, std::size_t size);
   // Splits b so that [off, off + size) of its segment is a block of its own; returns it.
   Blk* carve(Blk* b, std::size_t off, std::size_t size);
   void set_state(Blk* b, State s);

@@ -76,13 +76,6 @@ std::uint64_t pow_base(std::uint64_t e) {
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 
-std::string trim(const std::string& s) {
-  std::size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
-  return s.substr(b, e - b);
-}
-
 std::string to_hex(std::uintptr_t addr) {
   std::ostringstream s;
   s << "0x" << std::hex << addr;
@@ -125,10 +118,10 @@ PlannedConfig PlannedConfig::parse(const std::string& conf) {
   PlannedConfig c;
   std::string rest;  // keys of the pool, parsed by PolicyConfig
   for (std::string item : split_config_items(conf)) {
-    item = trim(item);
+    item = trim_space(item);
     if (item.empty()) continue;
     const auto colon = item.find(':');
-    const std::string key = trim(item.substr(0, colon));
+    const std::string key = trim_space(item.substr(0, colon));
     const PlannedKey* known = nullptr;
     for (const auto& k : kPlannedKeys) {
       if (colon != std::string::npos && key == k.key) known = &k;
@@ -137,7 +130,7 @@ PlannedConfig PlannedConfig::parse(const std::string& conf) {
       rest += (rest.empty() ? "" : ",") + item;
       continue;
     }
-    const std::string value = trim(item.substr(colon + 1));
+    const std::string value = trim_space(item.substr(colon + 1));
     const std::string expected = "an integer in [" + std::to_string(known->lo) + ", " +
                                  std::to_string(known->hi) + "]";
     std::size_t pos = 0;
@@ -200,11 +193,7 @@ void* PlannedAllocator::malloc(std::int64_t size, StreamId stream) {
   void* p;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (size <= 0) {
-      throw AllocatorError("invalid allocation size " + std::to_string(size) +
-                           ": the size must be a positive number of bytes");
-    }
-    p = allocate_locked(static_cast<std::size_t>(size), stream);
+    p = allocate_locked(checked_request_size(size), stream);
   }
   if (p == nullptr) throw OutOfMemoryError(pool_->last_error());
   return p;
@@ -212,11 +201,7 @@ void* PlannedAllocator::malloc(std::int64_t size, StreamId stream) {
 
 void* PlannedAllocator::try_malloc(std::int64_t size, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (size <= 0) {
-    throw AllocatorError("invalid allocation size " + std::to_string(size) +
-                         ": the size must be a positive number of bytes");
-  }
-  return allocate_locked(static_cast<std::size_t>(size), stream);
+  return allocate_locked(checked_request_size(size), stream);
 }
 
 void PlannedAllocator::free(void* ptr) {

@@ -32,6 +32,18 @@ struct Stat {
 enum StatType : int { kAllPools = 0, kSmallPool = 1, kLargePool = 2 };
 using StatArray = std::array<Stat, 3>;
 
+// Adds delta (or takes -delta) to the aggregate and to the small or large pool's stat.
+inline void update_stat(StatArray& a, bool small, std::int64_t delta) {
+  Stat& pool = a[small ? kSmallPool : kLargePool];
+  if (delta >= 0) {
+    a[kAllPools].increase(delta);
+    pool.increase(delta);
+  } else {
+    a[kAllPools].decrease(-delta);
+    pool.decrease(-delta);
+  }
+}
+
 struct Stats {
   StatArray allocation;            // live allocations (malloc'd, not yet freed)
   StatArray segment;               // segments obtained from the device
