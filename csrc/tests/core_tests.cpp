@@ -113,7 +113,10 @@ int main(int argc, char** argv) {
                               {"pymemplan-planned", "periodic"},
                               {"pymemplan-planned", "periodic min_period:8,match_window:8"},
                               {"pymemplan-planned", "periodic vmm:False"},
-                              {"pymemplan-planned", "periodic limit"}};
+                              {"pymemplan-planned", "periodic limit"},
+                              // the model of GMLake, as it ships and stitching every request
+                              {"gmlake", ""},
+                              {"gmlake", "frag_limit_mb:0"}};
   for (auto& c : configs) {
     try {
       FuzzOptions o;
@@ -208,12 +211,14 @@ int main(int argc, char** argv) {
   }
   // Page mappings that run out of memory now and then (a cuMemMap whose page tables cannot
   // grow): the OOM ladder absorbs each, with pages moved, plans arming and pages shared.
-  for (const bool periodic : {false, true}) {
+  for (const char* policy : {"pymemplan-vmm", "pymemplan-planned", "gmlake"}) {
+    const bool periodic = std::string(policy) == "pymemplan-planned";
     for (const std::size_t limit : {std::size_t{0}, std::size_t{96} << 20}) {
       FuzzOptions o;
       o.ops = ops / 4 + 1;
       o.seed = 11;
-      o.policy = periodic ? "pymemplan-planned" : "pymemplan-vmm";
+      o.policy = policy;
+      if (o.policy == "gmlake") o.config = "frag_limit_mb:0";
       o.capacity = std::size_t{2} << 30;
       o.limit = limit;
       o.periodic = periodic;
@@ -231,7 +236,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  for (const char* p : {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache"}) {
+  for (const char* p : {"pymemplan", "pymemplan-vmm", "pymemplan-planned", "torch", "nocache", "gmlake"}) {
     bad_input(p);
     threads(p);
   }
