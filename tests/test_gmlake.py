@@ -190,3 +190,26 @@ def test_stitching_holds_less_than_pytorchs_policy_where_freed_blocks_are_too_sm
     r = {x.policy: x for x in replay(trace, ["torch", "gmlake", "gmlake=frag_limit_mb:0"])}
     assert r["gmlake=frag_limit_mb:0"].peak_reserved_bytes < r["torch"].peak_reserved_bytes
     assert r["gmlake"].peak_reserved_bytes >= r["gmlake=frag_limit_mb:0"].peak_reserved_bytes
+
+
+@pytest.mark.parametrize("seed", [17, 87])
+def test_a_random_training_loop_replayed_with_every_invariant_checked(seed):
+    # Loops where stitching matters (GMLake below PyTorch's policy by a fifth): every
+    # invariant holds throughout, and the replay engine's figure is this replay's.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from synthetic_traces import random_training
+
+    from allocator_checks import replay_checked
+
+    trace = random_training(seed)
+    device = _core.SimulatedDevice(80 << 30)
+    alloc = _core.Allocator(device, "gmlake", "frag_limit_mb:0")
+    high, live = replay_checked(alloc, device, trace, check_every=3)
+    r = {x.policy: x for x in replay(trace, ["torch", "gmlake=frag_limit_mb:0", "pymemplan-vmm"])}
+    assert high == r["gmlake=frag_limit_mb:0"].peak_reserved_bytes
+    assert high < 0.85 * r["torch"].peak_reserved_bytes
+    assert r["pymemplan-vmm"].peak_reserved_bytes < high
+    assert len(stitched_segments(alloc)) > 0
