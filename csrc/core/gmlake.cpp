@@ -90,7 +90,7 @@ bool GMLakeAllocator::BlkOrder::operator()(const Blk* a, const Blk* b) const {
 
 bool GMLakeAllocator::StitchOrder::operator()(const Stitch* a, const Stitch* b) const {
   if (a->stream != b->stream) return a->stream < b->stream;
-  if (a->size() != b->size()) return a->size() < b->size();
+  if (a->cached_size != b->cached_size) return a->cached_size < b->cached_size;
   return a->addr < b->addr;
 }
 
@@ -282,7 +282,7 @@ void* GMLakeAllocator::serve_block(Blk* b, std::size_t rounded, std::size_t size
 GMLakeAllocator::Stitch* GMLakeAllocator::reuse_stitch(std::size_t rounded, StreamId stream) {
   Stitch probe;
   probe.stream = stream;
-  // probe.size() is 0; the order puts it before every stitched block of the stream.
+  probe.cached_size = rounded;  // address 0: before every cached block of that size
   Stitch* found = nullptr;
   auto page_free = [&](const std::pair<Seg*, std::size_t>& p) {
     auto it = p.first->blocks.upper_bound(p.second * page_);
@@ -290,7 +290,6 @@ GMLakeAllocator::Stitch* GMLakeAllocator::reuse_stitch(std::size_t rounded, Stre
   };
   for (auto it = cached_.lower_bound(&probe); it != cached_.end() && (*it)->stream == stream; ++it) {
     Stitch* s = *it;
-    if (s->size() < rounded) continue;
     // GMLake keeps apart the stitched blocks some of whose pages are in use again.
     if (!std::all_of(s->pages.begin(), s->pages.end(), page_free)) continue;
     if (static_cast<double>(s->size()) > config_.reuse_limit * static_cast<double>(rounded)) {
@@ -527,6 +526,7 @@ void GMLakeAllocator::finish_free_stitch(Stitch* s) {
     sync_streams({s->stream});  // its pages are unmapped now: the work queued on them first
     delete_stitch(s);
   } else {
+    s->cached_size = s->size();
     cached_.insert(s);
   }
 }
@@ -865,6 +865,7 @@ std::string GMLakeAllocator::self_check() const {
     if (cached != (s->state == State::Free) || cached != (s->used == 0)) {
       return "a stitched block's state disagrees with the cache";
     }
+    if (cached && s->cached_size != s->size()) return "a cached stitched block is listed by a stale size";
     std::size_t lent = 0;
     for (const Blk* part : s->parts) {
       if (part->state != State::Stitched) return "a stitched block's part is not lent to it";

@@ -118,6 +118,7 @@ class GMLakeAllocator : public Allocator {
     std::size_t page = 0;
     std::size_t va = 0;  // bytes of its address range (its pages, until some went back)
     std::size_t size() const { return pages.size() * page; }
+    std::size_t cached_size = 0;  // size() while in cached_ (the order's key; a probe's size)
   };
   struct BlkOrder {
     bool operator()(const Blk* a, const Blk* b) const;
