@@ -54,31 +54,32 @@ std::string valid_keys(PolicyKind kind) {
   return out.empty() ? "none" : out;
 }
 
-[[noreturn]] void bad_value(const std::string& key, const std::string& value, const char* expected) {
+bool parse_bool(const std::string& key, const std::string& value) {
+  if (value == "True" || value == "true" || value == "1") return true;
+  if (value == "False" || value == "false" || value == "0") return false;
+  bad_config_value(key, value, "True or False");
+}
+
+}  // namespace
+
+void bad_config_value(const std::string& key, const std::string& value, const std::string& expected) {
   throw AllocatorError("allocator config: bad value '" + value + "' for '" + key + "': expected " +
                        expected);
 }
 
-long long parse_int(const std::string& key, const std::string& value, const char* expected) {
-  if (value.empty()) bad_value(key, value, expected);
+long long parse_config_int(const std::string& key, const std::string& value,
+                           const std::string& expected) {
+  if (value.empty()) bad_config_value(key, value, expected);
   std::size_t pos = 0;
   long long v = 0;
   try {
     v = std::stoll(value, &pos);
   } catch (const std::exception&) {
-    bad_value(key, value, expected);
+    bad_config_value(key, value, expected);
   }
-  if (pos != value.size()) bad_value(key, value, expected);
+  if (pos != value.size()) bad_config_value(key, value, expected);
   return v;
 }
-
-bool parse_bool(const std::string& key, const std::string& value) {
-  if (value == "True" || value == "true" || value == "1") return true;
-  if (value == "False" || value == "false" || value == "0") return false;
-  bad_value(key, value, "True or False");
-}
-
-}  // namespace
 
 std::string trim_space(const std::string& s) {
   std::size_t b = 0, e = s.size();
@@ -114,8 +115,8 @@ void parse_divisions(const std::string& key, const std::string& value,
       "0 or a power of two up to 64, or a list [MiB:divisions,...,>:divisions] with "
       "power-of-two sizes in MiB";
   auto divisions = [&](const std::string& v) {
-    long long d = parse_int(key, v, expected);
-    if (d < 0 || d > 64 || (d & (d - 1)) != 0) bad_value(key, value, expected);
+    long long d = parse_config_int(key, v, expected);
+    if (d < 0 || d > 64 || (d & (d - 1)) != 0) bad_config_value(key, value, expected);
     return static_cast<std::size_t>(d);
   };
   const std::size_t n = PolicyConfig::kDivisionIntervals;
@@ -124,7 +125,7 @@ void parse_divisions(const std::string& key, const std::string& value,
     for (std::size_t i = 0; i < n; ++i) table[i] = d;
     return;
   }
-  if (value.back() != ']') bad_value(key, value, expected);
+  if (value.back() != ']') bad_config_value(key, value, expected);
   for (std::size_t i = 0; i < n; ++i) table[i] = 0;
   std::stringstream pairs(value.substr(1, value.size() - 2));
   std::string pair;
@@ -132,15 +133,15 @@ void parse_divisions(const std::string& key, const std::string& value,
   std::size_t last = 0;
   while (std::getline(pairs, pair, ',')) {
     auto colon = pair.find(':');
-    if (colon == std::string::npos) bad_value(key, value, expected);
+    if (colon == std::string::npos) bad_config_value(key, value, expected);
     const std::string size = trim_space(pair.substr(0, colon));
     const std::size_t d = divisions(trim_space(pair.substr(colon + 1)));
     if (size == ">") {
       for (std::size_t i = last + 1; i < n; ++i) table[i] = d;
       continue;
     }
-    long long mb = parse_int(key, size, expected);
-    if (mb <= 0 || (mb & (mb - 1)) != 0) bad_value(key, value, expected);
+    long long mb = parse_config_int(key, size, expected);
+    if (mb <= 0 || (mb & (mb - 1)) != 0) bad_config_value(key, value, expected);
     std::size_t index = 0;
     while ((1LL << (index + 1)) <= mb) ++index;
     index = std::min(index, n - 1);
@@ -232,12 +233,12 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
     if (key == "max_split_size_mb") {
       // PyTorch requires > kLargeBuffer (20 MiB) so that every oversize block is a whole
       // segment (CUDAAllocatorConfig::parseMaxSplitSize).
-      long long mb = parse_int(key, value, "an integer > 20 (MiB)");
-      if (mb <= 20 || mb > (1LL << 40)) bad_value(key, value, "an integer > 20 (MiB)");
+      long long mb = parse_config_int(key, value, "an integer > 20 (MiB)");
+      if (mb <= 20 || mb > (1LL << 40)) bad_config_value(key, value, "an integer > 20 (MiB)");
       c.max_split_size = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "max_non_split_rounding_mb") {
-      long long mb = parse_int(key, value, "an integer >= 0 (MiB)");
-      if (mb < 0 || mb > (1LL << 40)) bad_value(key, value, "an integer >= 0 (MiB)");
+      long long mb = parse_config_int(key, value, "an integer >= 0 (MiB)");
+      if (mb < 0 || mb > (1LL << 40)) bad_config_value(key, value, "an integer >= 0 (MiB)");
       c.max_non_split_rounding = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "roundup_power2_divisions") {
       parse_divisions(key, value, c.roundup_power2_divisions);
@@ -245,14 +246,14 @@ PolicyConfig PolicyConfig::parse(const std::string& policy, const std::string& c
       c.release_before_grow = parse_bool(key, value);
     } else if (key == "medium_segment_mb") {
       const char* expected = kMediumSegmentValues;
-      long long mb = parse_int(key, value, expected);
-      if (mb < 0 || mb > (1LL << 20)) bad_value(key, value, expected);
+      long long mb = parse_config_int(key, value, expected);
+      if (mb < 0 || mb > (1LL << 20)) bad_config_value(key, value, expected);
       c.medium_segment = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "vmm") {
       c.vmm = parse_bool(key, value);
     } else if (key == "vmm_segment_mb") {
-      long long mb = parse_int(key, value, "an integer >= 2 (MiB)");
-      if (mb < 2 || mb > (1LL << 30)) bad_value(key, value, "an integer >= 2 (MiB)");
+      long long mb = parse_config_int(key, value, "an integer >= 2 (MiB)");
+      if (mb < 2 || mb > (1LL << 30)) bad_config_value(key, value, "an integer >= 2 (MiB)");
       c.vmm_segment = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "share_pages") {
       c.share_pages = parse_bool(key, value);

@@ -23,6 +23,12 @@ enum class PolicyKind {
 std::vector<std::string> split_config_items(const std::string& conf);
 // An item, key or value of a config without the spaces around it.
 std::string trim_space(const std::string& s);
+// Throws AllocatorError: "bad value 'value' for 'key': expected <expected>".
+[[noreturn]] void bad_config_value(const std::string& key, const std::string& value,
+                                   const std::string& expected);
+// The whole of `value` as an integer, else bad_config_value.
+long long parse_config_int(const std::string& key, const std::string& value,
+                           const std::string& expected);
 
 struct PolicyConfig {
   PolicyKind kind = PolicyKind::Pymemplan;

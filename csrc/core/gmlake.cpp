@@ -20,11 +20,6 @@ const char* const kGMLakeKeys = "frag_limit_mb, reuse_limit";
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-[[noreturn]] void bad_value(const std::string& key, const std::string& value, const char* expected) {
-  throw AllocatorError("allocator config: bad value '" + value + "' for key '" + key +
-                       "' of policy 'gmlake': expected " + expected);
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -44,14 +39,8 @@ GMLakeConfig GMLakeConfig::parse(const std::string& conf) {
     const std::string value = trim_space(item.substr(colon + 1));
     if (key == "frag_limit_mb") {
       const char* expected = "an integer >= 0 (MiB; 0 stitches every request over 1 MiB)";
-      std::size_t used = 0;
-      long long mb = 0;
-      try {
-        mb = std::stoll(value, &used);
-      } catch (const std::exception&) {
-        bad_value(key, value, expected);
-      }
-      if (used != value.size() || mb < 0 || mb > (1LL << 40)) bad_value(key, value, expected);
+      const long long mb = parse_config_int(key, value, expected);
+      if (mb < 0 || mb > (1LL << 40)) bad_config_value(key, value, expected);
       c.frag_limit = static_cast<std::size_t>(mb) * kMiB;
     } else if (key == "reuse_limit") {
       const char* expected = "a number >= 1";
@@ -60,9 +49,11 @@ GMLakeConfig GMLakeConfig::parse(const std::string& conf) {
       try {
         v = std::stod(value, &used);
       } catch (const std::exception&) {
-        bad_value(key, value, expected);
+        bad_config_value(key, value, expected);
       }
-      if (used != value.size() || !(v >= 1.0) || !std::isfinite(v)) bad_value(key, value, expected);
+      if (used != value.size() || !(v >= 1.0) || !std::isfinite(v)) {
+        bad_config_value(key, value, expected);
+      }
       c.reuse_limit = v;
     } else {
       throw AllocatorError("allocator config: unknown key '" + key +
@@ -320,13 +311,11 @@ GMLakeAllocator::Stitch* GMLakeAllocator::reuse_stitch(std::size_t rounded, Stre
 }
 
 GMLakeAllocator::Stitch* GMLakeAllocator::stitch(std::size_t rounded, StreamId stream) {
-  Seg lo_seg, hi_seg;
-  lo_seg.stream = hi_seg.stream = stream;
+  Seg probe_seg;  // the stream's free blocks: from size 0 to the largest size there is
+  probe_seg.stream = stream;
   Blk lo, hi;
-  lo.seg = &lo_seg;
-  hi.seg = &hi_seg;
+  lo.seg = hi.seg = &probe_seg;
   hi.size = std::numeric_limits<std::size_t>::max();
-  hi_seg.addr = std::numeric_limits<std::uintptr_t>::max() / 2;
   const auto begin = large_free_.lower_bound(&lo);
   const auto end = large_free_.lower_bound(&hi);
   if (begin == end || std::next(begin) == end) return nullptr;  // needs two blocks at least
@@ -478,8 +467,7 @@ std::string GMLakeAllocator::oom_message(std::size_t size, std::size_t rounded, 
 // ---------------------------------------------------------------------------------------------
 // Freeing and giving back
 
-bool GMLakeAllocator::process_events(bool wait) {
-  bool any = false;
+void GMLakeAllocator::process_events(bool wait) {
   for (std::size_t i = 0; i < pending_.size();) {
     Pending p = pending_[i];
     if (wait) device_->synchronize_event(p.event);
@@ -490,11 +478,9 @@ bool GMLakeAllocator::process_events(bool wait) {
     device_->destroy_event(p.event);
     pending_[i] = pending_.back();
     pending_.pop_back();
-    any = true;
     if (p.blk != nullptr && --p.blk->pending == 0) finish_free_block(p.blk);
     if (p.stitch != nullptr && --p.stitch->pending == 0) finish_free_stitch(p.stitch);
   }
-  return any;
 }
 
 void GMLakeAllocator::finish_free_block(Blk* b) {

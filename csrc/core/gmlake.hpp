@@ -144,7 +144,8 @@ class GMLakeAllocator : public Allocator {
   void sync_streams(const std::set<StreamId>& streams);
   void release_segment(Seg* seg);
   void delete_stitch(Stitch* s);
-  bool process_events(bool wait);
+  // Frees whose events completed (all of them, waiting, with wait) finish.
+  void process_events(bool wait);
   void finish_free_block(Blk* b);
   void finish_free_stitch(Stitch* s);
   // A free block of seg (from spare_ where one is), in no list or map yet.

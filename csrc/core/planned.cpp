@@ -133,18 +133,10 @@ PlannedConfig PlannedConfig::parse(const std::string& conf) {
     const std::string value = trim_space(item.substr(colon + 1));
     const std::string expected = "an integer in [" + std::to_string(known->lo) + ", " +
                                  std::to_string(known->hi) + "]";
-    std::size_t pos = 0;
-    long long v = -1;
-    try {
-      v = std::stoll(value, &pos);
-    } catch (const std::exception&) {
-      pos = 0;
-    }
-    if (value.empty() || pos != value.size() || v < 0 ||
-        static_cast<unsigned long long>(v) < known->lo ||
+    const long long v = parse_config_int(key, value, expected);
+    if (v < 0 || static_cast<unsigned long long>(v) < known->lo ||
         static_cast<unsigned long long>(v) > known->hi) {
-      throw AllocatorError("allocator config: bad value '" + value + "' for '" + key +
-                           "': expected " + expected);
+      bad_config_value(key, value, expected);
     }
     c.*(known->field) = static_cast<std::size_t>(v);
   }
