@@ -42,18 +42,20 @@ class KeyTree {
       build(0, points_.size());
     }
   }
+  static constexpr std::uint32_t kNoRank = std::numeric_limits<std::uint32_t>::max();
   bool empty() const { return nodes_.empty() || nodes_[0].min1 == kNone; }
   std::size_t min_key() const { return nodes_.empty() ? kNone : nodes_[0].min1; }
   std::uint32_t min_rank() const { return nodes_.empty() ? kNoRank : nodes_[0].r1; }
-  // Every point alive, keyed 0, ranked by rank_of[block].
+  // Every point keyed 0 and ranked by rank_of[block], but those ranked kNoRank: they are out
+  // (never taken, never raised).
   void reset(const std::vector<std::uint32_t>& rank_of) {
     for (std::size_t v = nodes_.size(); v-- > 0;) {
       Node& n = nodes_[v];
       n.lz = 0;
       if (n.left == kLeaf) {
-        n.min1 = 0;
-        n.min2 = kNone;
         n.r1 = rank_of[points_[n.point].block];
+        n.min1 = n.r1 == kNoRank ? kNone : 0;
+        n.min2 = kNone;
       } else {
         pull(n);
       }
@@ -82,7 +84,6 @@ class KeyTree {
 
  private:
   static constexpr std::uint32_t kLeaf = std::numeric_limits<std::uint32_t>::max();
-  static constexpr std::uint32_t kNoRank = std::numeric_limits<std::uint32_t>::max();
   struct Node {
     std::uint32_t x0, x1, y0, y1;  // the bounding box of the subtree's points
     std::uint32_t left, right, point;
@@ -174,8 +175,9 @@ class KeyIndex {
  public:
   explicit KeyIndex(const std::vector<Spans>& spans) : spans_(spans), plain_(points(spans, false)),
                                                         wrapped_(points(spans, true)) {}
+  // The blocks of `order`, ranked in that order; any others are out.
   void reset(const std::vector<std::size_t>& order) {
-    rank_of_.assign(spans_.size(), 0);
+    rank_of_.assign(spans_.size(), KeyTree::kNoRank);
     for (std::size_t r = 0; r < order.size(); ++r) rank_of_[order[r]] = static_cast<std::uint32_t>(r);
     plain_.reset(rank_of_);
     wrapped_.reset(rank_of_);
@@ -221,25 +223,52 @@ class KeyIndex {
 
 // One skyline run: the blocks of `keys`, lowest key first (ties: the lowest rank in `order`),
 // each placed at its key. Returns the arena; stops early once it reaches `limit` (it cannot
-// beat the best then). With a capacity, a block whose lowest offset would take it past the
-// capacity is left out (offset kNone): keys only rise, so it would never fit later.
+// beat the best then).
 std::size_t skyline_kd(const std::vector<PackBlock>& blocks, KeyIndex& keys,
                        const std::vector<std::size_t>& order, std::vector<std::size_t>& offsets,
-                       std::size_t limit, std::size_t capacity = kNone) {
+                       std::size_t limit) {
   keys.reset(order);
-  offsets.assign(blocks.size(), capacity == kNone ? 0 : kNone);
+  offsets.assign(blocks.size(), 0);
   std::size_t arena = 0;
   while (!keys.empty()) {
-    if (capacity != kNone && keys.min_key() >= capacity) break;  // full: nothing else fits
     const auto [i, key] = keys.take();
     const std::size_t top = key + blocks[i].size;
     if (top >= limit) return top;  // this run cannot win
-    if (top > capacity) continue;  // past the capacity: left out
     offsets[i] = key;
     keys.raise(i, top);
     arena = std::max(arena, top);
   }
   return arena;
+}
+
+// A skyline run into a hole of `capacity` bytes: a block whose lowest offset would take it
+// past the capacity is left out (offset kNone), as keys only rise. It is given up as
+// soon as the area (size x lifetime) it has placed plus all it has yet to try falls short of
+// `beat`: it cannot place more area than the best run so far then. Returns whether it ran
+// to the end.
+bool fill_one_hole(const std::vector<PackBlock>& blocks, KeyIndex& keys,
+                   const std::vector<std::size_t>& order, const std::vector<double>& area,
+                   std::size_t capacity, double beat, std::vector<std::size_t>& offsets) {
+  keys.reset(order);
+  offsets.assign(blocks.size(), kNone);
+  double open = 0.0;  // placed, plus what is not tried yet
+  for (std::size_t i : order) open += area[i];
+  // The margin keeps rounding (the sums here run in another order than the caller's) from
+  // giving up a run that ties.
+  const double stop = beat * (1.0 - 1e-9);
+  while (!keys.empty()) {
+    if (keys.min_key() >= capacity) break;  // full: nothing else fits
+    const auto [i, key] = keys.take();
+    const std::size_t top = key + blocks[i].size;
+    if (top > capacity) {  // past the capacity: left out, and never fits later
+      open -= area[i];
+      if (open < stop) return false;
+      continue;
+    }
+    offsets[i] = key;
+    keys.raise(i, top);
+  }
+  return true;
 }
 
 // Each block's lifetime as ranges of the elementary intervals between the distinct start
@@ -672,54 +701,56 @@ void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
   std::iota(holes.begin(), holes.end(), std::size_t{0});
   std::stable_sort(holes.begin(), holes.end(),
                    [&](std::size_t a, std::size_t b) { return hole_sizes[a] > hole_sizes[b]; });
-  std::vector<std::size_t> left(blocks.size());
-  std::iota(left.begin(), left.end(), std::size_t{0});
+  // One timeline, one index and one order per tie rule for every hole: a hole's run takes the
+  // blocks still left that fit it, in the rule's order (the rest are out of the index). Built
+  // again for each hole, they were most of an arming's time on plans of thousands of blocks
+  // and dozens of holes.
+  const Timeline tl(blocks, period);
+  KeyIndex keys(tl.spans);
+  auto life = [&](std::size_t i) { return static_cast<double>(blocks[i].life); };
+  auto size = [&](std::size_t i) { return static_cast<double>(blocks[i].size); };
+  auto area = [&](std::size_t i) { return life(i) * size(i); };
+  const std::function<double(std::size_t)> rules[] = {area, size, life};
+  std::vector<double> areas(blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) areas[i] = area(i);
+  std::vector<std::vector<std::size_t>> orders;
+  for (const auto& rule : rules) {
+    std::vector<std::size_t> order(blocks.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      const double wa = rule(a), wb = rule(b);
+      if (wa != wb) return wa > wb;
+      return blocks[a].size > blocks[b].size;
+    });
+    orders.push_back(std::move(order));
+  }
+  std::vector<char> left(blocks.size(), 1);
+  std::vector<std::size_t> order, offsets, best;
   for (std::size_t h : holes) {
-    std::vector<PackBlock> sub;
-    std::vector<std::size_t> of;
-    for (std::size_t i : left) {
-      if (blocks[i].size == 0 || blocks[i].size > hole_sizes[h]) continue;
-      sub.push_back(blocks[i]);
-      of.push_back(i);
-    }
-    if (sub.empty()) continue;
-    const Timeline tl(sub, period);
-    KeyIndex keys(tl.spans);
-    auto life = [&](std::size_t i) { return static_cast<double>(sub[i].life); };
-    auto size = [&](std::size_t i) { return static_cast<double>(sub[i].size); };
-    auto area = [&](std::size_t i) { return life(i) * size(i); };
-    const std::function<double(std::size_t)> rules[] = {area, size, life};
-    std::vector<std::size_t> order(sub.size()), offsets, best;
     double best_area = 0.0;
-    for (const auto& rule : rules) {
-      std::iota(order.begin(), order.end(), std::size_t{0});
-      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-        const double wa = rule(a), wb = rule(b);
-        if (wa != wb) return wa > wb;
-        return sub[a].size > sub[b].size;
-      });
-      skyline_kd(sub, keys, order, offsets, kNone, hole_sizes[h]);
+    best.clear();
+    for (const auto& all : orders) {
+      order.clear();
+      for (std::size_t i : all) {
+        if (left[i] && blocks[i].size != 0 && blocks[i].size <= hole_sizes[h]) order.push_back(i);
+      }
+      if (order.empty()) break;
+      if (!fill_one_hole(blocks, keys, order, areas, hole_sizes[h], best_area, offsets)) continue;
       double placed = 0.0;
-      for (std::size_t k = 0; k < sub.size(); ++k) placed += offsets[k] != kNone ? area(k) : 0.0;
+      for (std::size_t i = 0; i < blocks.size(); ++i) placed += offsets[i] != kNone ? areas[i] : 0.0;
       if (placed > best_area) {
         best_area = placed;
         best = offsets;
       }
     }
     if (best.empty()) continue;
-    std::vector<std::size_t> still;
-    std::vector<char> taken(blocks.size(), 0);
-    for (std::size_t k = 0; k < sub.size(); ++k) {
-      if (best[k] == kNone) continue;
-      r.hole[of[k]] = h;
-      r.offset[of[k]] = best[k];
-      r.placed_bytes += sub[k].size;
-      taken[of[k]] = 1;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (!left[i] || best[i] == kNone) continue;
+      r.hole[i] = h;
+      r.offset[i] = best[i];
+      r.placed_bytes += blocks[i].size;
+      left[i] = 0;
     }
-    for (std::size_t i : left) {
-      if (!taken[i]) still.push_back(i);
-    }
-    left.swap(still);
   }
 }
 
