@@ -400,19 +400,46 @@ std::vector<long long> live_profile(const std::vector<PackBlock>& blocks, std::s
   return live;
 }
 
+struct Packer::Index {
+  Timeline timeline;
+  KeyIndex keys;
+  Index(const std::vector<PackBlock>& blocks, std::size_t period)
+      : timeline(blocks, period), keys(timeline.spans) {}
+};
+
+Packer::Packer(const std::vector<PackBlock>& blocks, std::size_t period, const char* who)
+    : blocks_(blocks), period_(period) {
+  check_blocks(blocks, period, who);
+}
+
+Packer::~Packer() = default;
+
+Packer::Index& Packer::index() {
+  if (!index_) index_ = std::make_unique<Index>(blocks_, period_);
+  return *index_;
+}
+
 PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
                        std::size_t search_rounds, std::size_t granule, std::size_t give_up) {
-  check_blocks(blocks, period, "pack_blocks");
+  std::vector<std::size_t> all(blocks.size());
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  return Packer(blocks, period, "pack_blocks").pack(all, search_rounds, granule, give_up);
+}
+
+PackResult Packer::pack(const std::vector<std::size_t>& subset, std::size_t search_rounds,
+                        std::size_t granule, std::size_t give_up) {
+  std::vector<PackBlock> blocks;  // the subset's, in its order: what the rules weigh
+  blocks.reserve(subset.size());
+  for (std::size_t i : subset) blocks.push_back(blocks_[i]);
   PackResult r;
-  r.bound = live_bound(blocks, period);
+  r.bound = live_bound(blocks, period_);
   const std::size_t n = blocks.size();
   if (n == 0) return r;
   if (give_up != 0 && r.bound > give_up) {  // no run can: every arena holds the bound
     r.arena = give_up + 1;
     return r;
   }
-  const Timeline tl(blocks, period);
-  KeyIndex keys(tl.spans);
+  KeyIndex& keys = index().keys;
 
   // Tie rules: the largest size x lifetime first, the largest first, the longest-lived first
   // (the slowest: a long block placed raises the skyline under most others); then the same
@@ -436,13 +463,15 @@ PackResult pack_blocks(const std::vector<PackBlock>& blocks, std::size_t period,
       if (weight[a] != weight[b]) return weight[a] > weight[b];
       return blocks[a].size > blocks[b].size;
     });
+    for (std::size_t& i : order) i = subset[i];  // the index knows blocks by their place in all
     // A run stops once it cannot beat the best so far (or the caller's give_up level).
     const std::size_t stop = give_up != 0 && give_up < best ? give_up + 1 : best;
-    const std::size_t arena = skyline_kd(blocks, keys, order, offsets, stop);
+    const std::size_t arena = skyline_kd(blocks_, keys, order, offsets, stop);
     ++r.runs;
     if (arena < stop) {  // a complete run (an early stop returns at least `stop`)
       best = arena;
-      r.offsets = offsets;
+      r.offsets.resize(n);
+      for (std::size_t j = 0; j < n; ++j) r.offsets[j] = offsets[subset[j]];
     }
   }
   if (best == kNone) {  // every run passed give_up: no offsets
@@ -695,18 +724,16 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period,
   }
 }
 
-void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
+void fill_by_skyline(const std::vector<PackBlock>& blocks, KeyIndex& keys,
                      const std::vector<std::size_t>& hole_sizes, HoleFill& r) {
   std::vector<std::size_t> holes(hole_sizes.size());
   std::iota(holes.begin(), holes.end(), std::size_t{0});
   std::stable_sort(holes.begin(), holes.end(),
                    [&](std::size_t a, std::size_t b) { return hole_sizes[a] > hole_sizes[b]; });
-  // One timeline, one index and one order per tie rule for every hole: a hole's run takes the
-  // blocks still left that fit it, in the rule's order (the rest are out of the index). Built
-  // again for each hole, they were most of an arming's time on plans of thousands of blocks
-  // and dozens of holes.
-  const Timeline tl(blocks, period);
-  KeyIndex keys(tl.spans);
+  // One index and one order per tie rule for every hole: a hole's run takes the blocks still
+  // left that fit it, in the rule's order (the rest are out of the index). Built again for
+  // each hole, they were most of an arming's time on plans of thousands of blocks and dozens
+  // of holes.
   auto life = [&](std::size_t i) { return static_cast<double>(blocks[i].life); };
   auto size = [&](std::size_t i) { return static_cast<double>(blocks[i].size); };
   auto area = [&](std::size_t i) { return life(i) * size(i); };
@@ -758,13 +785,19 @@ void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period,
 
 HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
                     const std::vector<std::size_t>& hole_sizes, HoleRule rule, const HoleCost& cost) {
+  return Packer(blocks, period, "fill_holes").fill_holes(hole_sizes, rule, cost);
+}
+
+HoleFill Packer::fill_holes(const std::vector<std::size_t>& hole_sizes, HoleRule rule,
+                            const HoleCost& cost) {
+  const std::vector<PackBlock>& blocks = blocks_;
+  const std::size_t period = period_;
   HoleFill r;
   r.hole.assign(blocks.size(), HoleFill::kNone);
   r.offset.assign(blocks.size(), 0);
   if (blocks.empty() || hole_sizes.empty() || period == 0) return r;
-  check_blocks(blocks, period, "fill_holes");
   if (rule == HoleRule::kSkyline) {
-    fill_by_skyline(blocks, period, hole_sizes, r);
+    fill_by_skyline(blocks, index().keys, hole_sizes, r);
     return r;
   }
   if (rule == HoleRule::kPeakShave) {

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace pymemplan {
@@ -107,5 +108,29 @@ using HoleCost = std::function<std::size_t(std::size_t hole, std::size_t top)>;
 HoleFill fill_holes(const std::vector<PackBlock>& blocks, std::size_t period,
                     const std::vector<std::size_t>& hole_sizes, HoleRule rule = HoleRule::kGreedy,
                     const HoleCost& cost = nullptr);
+
+// One set of blocks packed and fitted into holes several ways (an arming weighs a dozen
+// packings of the same plan): the index of their lifetimes is built once, not per packing.
+// `blocks` must outlive the Packer. Throws std::invalid_argument as pack_blocks does.
+class Packer {
+ public:
+  Packer(const std::vector<PackBlock>& blocks, std::size_t period, const char* who = "Packer");
+  ~Packer();
+  Packer(const Packer&) = delete;
+  Packer& operator=(const Packer&) = delete;
+  // pack_blocks of the blocks at `subset` (increasing indices) alone; offsets in subset order.
+  PackResult pack(const std::vector<std::size_t>& subset, std::size_t search_rounds = 2,
+                  std::size_t granule = 1, std::size_t give_up = 0);
+  // fill_holes of all the blocks.
+  HoleFill fill_holes(const std::vector<std::size_t>& hole_sizes, HoleRule rule = HoleRule::kGreedy,
+                      const HoleCost& cost = nullptr);
+
+ private:
+  struct Index;
+  Index& index();  // built at first use: the greedy hole rules need none
+  const std::vector<PackBlock>& blocks_;
+  std::size_t period_;
+  std::unique_ptr<Index> index_;
+};
 
 }  // namespace pymemplan

@@ -1300,13 +1300,17 @@ std::vector<PlannedAllocator::Candidate> PlannedAllocator::candidates(
     return pool_->unkept_bytes({{holes[h].first, top}});
   };
   memo.tries.resize(kNoHoles + 1);
+  std::optional<Packer> packer;  // made at the first packing not known from the memo
+  auto the_packer = [&]() -> Packer& {
+    if (!packer) packer.emplace(all, period);
+    return *packer;
+  };
   for (int use = 0; use <= kNoHoles; ++use) {  // holes by each rule, then no holes
     if (use < kNoHoles && hole_sizes.empty()) continue;
     Try& t = memo.tries[use];
-    std::vector<PackBlock> blocks;
     if (!t.filled) {
-      t.c.fill = use == kNoHoles ? fill_holes(all, period, {})
-                                 : fill_holes(all, period, hole_sizes, kRules[use], pages_added);
+      t.c.fill = use == kNoHoles ? the_packer().fill_holes({})
+                                 : the_packer().fill_holes(hole_sizes, kRules[use], pages_added);
       std::vector<std::pair<std::uintptr_t, std::size_t>> placed;
       for (std::size_t k = 0; k < all.size(); ++k) {
         if (t.c.fill.hole[k] != HoleFill::kNone) {
@@ -1343,8 +1347,7 @@ std::vector<PlannedAllocator::Candidate> PlannedAllocator::candidates(
     if (known) {
       ++packings_reused_;
     } else {
-      for (std::size_t k : t.c.arena_block) blocks.push_back(all[k]);
-      r = pack_blocks(blocks, period, config_.search_rounds, page(), level);
+      r = the_packer().pack(t.c.arena_block, config_.search_rounds, page(), level);
       t.result = r;
       t.level = level;
       t.packed = true;
