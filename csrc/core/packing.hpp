@@ -126,11 +126,14 @@ class Packer {
                       const HoleCost& cost = nullptr);
 
  private:
-  struct Index;
-  Index& index();  // built at first use: the greedy hole rules need none
+  struct Index;  // the skyline's: lifetimes as intervals, keys in 2-d trees
+  struct Times;  // the hole fillers': start and end times, to count live bytes in a hole
+  Index& index();  // each built at first use
+  Times& times();
   const std::vector<PackBlock>& blocks_;
   std::size_t period_;
   std::unique_ptr<Index> index_;
+  std::unique_ptr<Times> times_;
 };
 
 }  // namespace pymemplan
