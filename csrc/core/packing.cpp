@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -804,7 +805,7 @@ void shave_peak(const std::vector<PackBlock>& blocks, std::size_t period, const 
   }
 }
 
-void fill_by_skyline(const std::vector<PackBlock>& blocks, KeyIndex& keys,
+void fill_by_skyline(const std::vector<PackBlock>& blocks, std::size_t period, KeyIndex& keys,
                      const std::vector<std::size_t>& hole_sizes, HoleFill& r) {
   std::vector<std::size_t> holes(hole_sizes.size());
   std::iota(holes.begin(), holes.end(), std::size_t{0});
@@ -831,32 +832,69 @@ void fill_by_skyline(const std::vector<PackBlock>& blocks, KeyIndex& keys,
     });
     orders.push_back(std::move(order));
   }
+  // The index the runs use: the one over all blocks, then, once the blocks left are under a
+  // quarter of those it holds, one over those alone (each run resets every point it holds).
+  // Local indices keep the blocks' order, so every sum below runs in the same order.
+  struct Local {
+    std::vector<std::size_t> ids;  // local -> global, increasing
+    std::vector<PackBlock> blocks;
+    std::vector<double> areas;
+    std::unique_ptr<Timeline> timeline;
+    std::unique_ptr<KeyIndex> keys;
+  } local;
+  std::vector<std::size_t> to_local(blocks.size());
+  std::iota(to_local.begin(), to_local.end(), std::size_t{0});
+  const std::vector<PackBlock>* in = &blocks;
+  const std::vector<double>* in_areas = &areas;
+  KeyIndex* in_keys = &keys;
+  auto global = [&](std::size_t k) { return local.ids.empty() ? k : local.ids[k]; };
   std::vector<char> left(blocks.size(), 1);
+  std::size_t left_count = blocks.size();
   std::vector<std::size_t> order, offsets, best;
   for (std::size_t h : holes) {
+    if (left_count * 4 < in->size()) {
+      local.keys.reset();  // it refers to the timeline's spans
+      local.ids.clear();
+      local.blocks.clear();
+      local.areas.clear();
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        if (!left[i]) continue;
+        to_local[i] = local.ids.size();
+        local.ids.push_back(i);
+        local.blocks.push_back(blocks[i]);
+        local.areas.push_back(areas[i]);
+      }
+      local.timeline = std::make_unique<Timeline>(local.blocks, period);
+      local.keys = std::make_unique<KeyIndex>(local.timeline->spans);
+      in = &local.blocks;
+      in_areas = &local.areas;
+      in_keys = local.keys.get();
+    }
     double best_area = 0.0;
     best.clear();
     for (const auto& all : orders) {
       order.clear();
       for (std::size_t i : all) {
-        if (left[i] && blocks[i].size != 0 && blocks[i].size <= hole_sizes[h]) order.push_back(i);
+        if (left[i] && blocks[i].size != 0 && blocks[i].size <= hole_sizes[h]) order.push_back(to_local[i]);
       }
       if (order.empty()) break;
-      if (!fill_one_hole(blocks, keys, order, areas, hole_sizes[h], best_area, offsets)) continue;
+      if (!fill_one_hole(*in, *in_keys, order, *in_areas, hole_sizes[h], best_area, offsets)) continue;
       double placed = 0.0;
-      for (std::size_t i = 0; i < blocks.size(); ++i) placed += offsets[i] != kNone ? areas[i] : 0.0;
+      for (std::size_t k = 0; k < in->size(); ++k) placed += offsets[k] != kNone ? (*in_areas)[k] : 0.0;
       if (placed > best_area) {
         best_area = placed;
         best = offsets;
       }
     }
     if (best.empty()) continue;
-    for (std::size_t i = 0; i < blocks.size(); ++i) {
-      if (!left[i] || best[i] == kNone) continue;
+    for (std::size_t k = 0; k < in->size(); ++k) {
+      const std::size_t i = global(k);
+      if (!left[i] || best[k] == kNone) continue;
       r.hole[i] = h;
-      r.offset[i] = best[i];
+      r.offset[i] = best[k];
       r.placed_bytes += blocks[i].size;
       left[i] = 0;
+      --left_count;
     }
   }
 }
@@ -877,7 +915,7 @@ HoleFill Packer::fill_holes(const std::vector<std::size_t>& hole_sizes, HoleRule
   r.offset.assign(blocks.size(), 0);
   if (blocks.empty() || hole_sizes.empty() || period == 0) return r;
   if (rule == HoleRule::kSkyline) {
-    fill_by_skyline(blocks, index().keys, hole_sizes, r);
+    fill_by_skyline(blocks, period, index().keys, hole_sizes, r);
     return r;
   }
   if (rule == HoleRule::kPeakShave) {
