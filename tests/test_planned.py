@@ -345,6 +345,41 @@ def test_the_skyline_places_each_block_where_the_plain_rule_does(blocks, hole):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_the_skyline_fills_several_holes_where_the_plain_rule_does(seed):
+    """Holes largest first, each filled as above by the blocks the holes before it left. The
+    packer does it with one index of the blocks for all holes (a block placed is out of it), a
+    smaller one of the blocks left once they are under a quarter of it (here after the first
+    hole), and gives a run up once it cannot place more size x lifetime than the best."""
+    rng = random.Random(seed)
+    period, n = 40, 48
+    start = [rng.randrange(period) for _ in range(n)]
+    life = [rng.randint(1, period) if rng.random() < 0.2 else rng.randint(1, period // 4)
+            for _ in range(n)]
+    size = [rng.choice([1, 2, 3, 8]) * 512 for _ in range(n)]
+    holes = [64 * 512] + [rng.randint(2, 12) * 512 for _ in range(4)]
+    hole, offset, left = [-1] * n, [0] * n, set(range(n))
+    for h in sorted(range(len(holes)), key=lambda h: -holes[h]):
+        ix = sorted(i for i in left if size[i] <= holes[h])
+        if not ix:
+            continue
+        sub = [[arr[i] for i in ix] for arr in (start, life, size)]
+        area = lambda k: sub[1][k] * sub[2][k]  # noqa: E731
+        fills = [_skyline_by_hand(*sub, period, w, holes[h])
+                 for w in (area, lambda k: sub[2][k], lambda k: sub[1][k])]
+        best = max(fills, key=lambda f: sum(area(k) for k, o in enumerate(f) if o is not None))
+        for k, o in enumerate(best):
+            if o is not None:
+                hole[ix[k]], offset[ix[k]] = h, o
+                left.discard(ix[k])
+        if h == 0:
+            assert len(left) * 4 < n  # the other holes run on the smaller index
+    got = _core.fill_holes(start, life, size, period, holes, "skyline")
+    assert got["hole"] == hole
+    assert [o for o, h in zip(got["offset"], got["hole"]) if h >= 0] == \
+        [o for o, h in zip(offset, hole) if h >= 0]
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_the_skyline_places_larger_random_sets_where_the_plain_rule_does(seed):
     """As above with 120 blocks (a deeper tree), a third of them wrapping round the circle."""
     rng = random.Random(seed)
