@@ -1388,10 +1388,18 @@ bool PlannedAllocator::pack(Plan& p, int v, std::size_t give_up, const Ranges& h
   };
   auto memo = std::find_if(packed_.begin(), packed_.end(), same);
   if (memo == packed_.end()) {
-    if (packed_.size() == kPackedKept) packed_.erase(packed_.begin());
+    std::size_t kept_blocks = order.size();
+    for (const Packed& m : packed_) kept_blocks += m.blocks.size();
+    while (packed_.size() >= kPackedMost ||
+           (packed_.size() >= kPackedKept && kept_blocks > kPackedBlocks)) {
+      kept_blocks -= packed_.front().blocks.size();
+      packed_.erase(packed_.begin());
+    }
     packed_.push_back({order, holes, key, {}});
-    memo = std::prev(packed_.end());
+  } else {
+    std::rotate(memo, std::next(memo), packed_.end());  // the most recently used last
   }
+  memo = std::prev(packed_.end());
   std::size_t bound = last_bound_;
   std::vector<Candidate> made = candidates(all, p.period, give_up, holes, *memo, &bound);
   last_bound_ = bound;

@@ -405,8 +405,13 @@ class PlannedAllocator : public Allocator {
     std::uint64_t holes_key = 0;
     std::vector<Try> tries;  // one per fill rule, then no holes
   };
+  // Packings kept: at least the last four; more (up to 64) while they hold no more than
+  // kPackedBlocks blocks in all, a few MiB: where shapes take turns, each shape's plan is
+  // packed again at most of its armings, often against holes seen at an earlier one.
   static constexpr std::size_t kPackedKept = 4;
-  std::vector<Packed> packed_;  // the most recent last
+  static constexpr std::size_t kPackedMost = 64;
+  static constexpr std::size_t kPackedBlocks = std::size_t{1} << 16;
+  std::vector<Packed> packed_;  // the most recently used last
   std::uint64_t packings_reused_ = 0;
   std::vector<Candidate> candidates(const std::vector<PackBlock>& all, std::size_t period,
                                     std::size_t give_up, const Ranges& holes, Packed& memo,
