@@ -273,19 +273,25 @@ bool fill_one_hole(const std::vector<PackBlock>& blocks, KeyIndex& keys,
   return true;
 }
 
+// The distinct times at which blocks start or end (0 and the period included), sorted.
+std::vector<std::size_t> cut_times(const std::vector<PackBlock>& blocks, std::size_t period) {
+  std::vector<std::size_t> cuts = {0, period};
+  for (const PackBlock& b : blocks) {
+    cuts.push_back(b.start);
+    cuts.push_back((b.start + b.life) % period);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  return cuts;
+}
+
 // Each block's lifetime as ranges of the elementary intervals between the distinct start
 // and end times.
 struct Timeline {
   std::vector<Spans> spans;
   std::size_t intervals = 0;
   Timeline(const std::vector<PackBlock>& blocks, std::size_t period) {
-    std::vector<std::size_t> cuts = {0, period};
-    for (const PackBlock& b : blocks) {
-      cuts.push_back(b.start);
-      cuts.push_back((b.start + b.life) % period);
-    }
-    std::sort(cuts.begin(), cuts.end());
-    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    const std::vector<std::size_t> cuts = cut_times(blocks, period);
     auto index = [&](std::size_t t) {
       return static_cast<std::size_t>(std::lower_bound(cuts.begin(), cuts.end(), t) - cuts.begin());
     };
@@ -334,13 +340,7 @@ struct BlockTimes {
   std::vector<char> wraps;                 // per block: alive past the period's end, from 0 on
   std::size_t count = 0;                   // distinct times
   BlockTimes(const std::vector<PackBlock>& blocks, std::size_t period) {
-    std::vector<std::size_t> times = {0, period};
-    for (const PackBlock& b : blocks) {
-      times.push_back(b.start);
-      times.push_back((b.start + b.life) % period);
-    }
-    std::sort(times.begin(), times.end());
-    times.erase(std::unique(times.begin(), times.end()), times.end());
+    const std::vector<std::size_t> times = cut_times(blocks, period);
     count = times.size();
     auto index = [&](std::size_t t) {
       return static_cast<std::uint32_t>(std::lower_bound(times.begin(), times.end(), t) - times.begin());
