@@ -814,7 +814,7 @@ void CachingAllocator::free_block(Block* b) {
     release_segment(b);
     return;
   }
-  if (shares_.empty() || !b->segment->vmm) {
+  if (b->segment->shared_pages == 0) {
     insert_free(coalesce(b));
     return;
   }
@@ -1779,6 +1779,8 @@ bool CachingAllocator::share_pair(Segment* keep, std::size_t ki, Segment* alias,
   for (const auto& [lo, hi] : alias_used) s->guards[0].push_back(make_guard(keep, kaddr + lo, kaddr + hi));
   shares_[kaddr] = s;
   shares_[aaddr] = s;
+  ++keep->shared_pages;
+  ++alias->shared_pages;
   return true;
 }
 
@@ -1856,6 +1858,8 @@ void CachingAllocator::end_share(Share* s, int side) {
   --seg->mapped;
   shares_.erase(plo);
   shares_.erase(s->seg[1 - side]->addr + s->index[1 - side] * page);
+  --s->seg[0]->shared_pages;
+  --s->seg[1]->shared_pages;
   for (Block* g : s->guards[side]) drop_guard(g);
   for (Block* g : s->guards[1 - side]) drop_guard(g);
   delete s;

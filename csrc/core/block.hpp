@@ -70,6 +70,9 @@ struct Segment {
   // kSeveralStreams when users were freed on different streams not known done.
   std::vector<StreamId> freed_by;
   std::vector<std::uint64_t> freed_seq;
+  // Its pages that are one address of a shared pair (share_pages): a free in a segment with
+  // none looks no page up among the pairs.
+  std::size_t shared_pages = 0;
   // An expandable segment (torch, expandable_segments): pages are mapped this many bytes
   // at a time, each run aligned to the segment's start; 0 for other segments.
   std::size_t chunk = 0;
