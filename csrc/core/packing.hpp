@@ -118,7 +118,8 @@ class Packer {
   ~Packer();
   Packer(const Packer&) = delete;
   Packer& operator=(const Packer&) = delete;
-  // pack_blocks of the blocks at `subset` (increasing indices) alone; offsets in subset order.
+  // pack_blocks of the blocks at `subset` (distinct indices) alone, as if given in that order
+  // (it breaks ties): offsets in subset order.
   PackResult pack(const std::vector<std::size_t>& subset, std::size_t search_rounds = 2,
                   std::size_t granule = 1, std::size_t give_up = 0);
   // fill_holes of all the blocks.

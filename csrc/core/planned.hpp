@@ -406,8 +406,9 @@ class PlannedAllocator : public Allocator {
     std::vector<Try> tries;  // one per fill rule, then no holes
   };
   // Packings kept: at least the last four; more (up to 64) while they hold no more than
-  // kPackedBlocks blocks in all, a few MiB: where shapes take turns, each shape's plan is
-  // packed again at most of its armings, often against holes seen at an earlier one.
+  // kPackedBlocks blocks in all (about 216 bytes a block with its six tries: 14 MiB at most
+  // beyond the four): where shapes take turns, each shape's plan is packed again at most of
+  // its armings, often against holes seen at an earlier one.
   static constexpr std::size_t kPackedKept = 4;
   static constexpr std::size_t kPackedMost = 64;
   static constexpr std::size_t kPackedBlocks = std::size_t{1} << 16;
