@@ -2004,4 +2004,9 @@ def test_the_planning_scaling_benchmark_measures_a_recorded_deep_model(tmp_path,
     assert row["planned_steady_reserved_over_live"] <= row["vmm_reserved_over_live"]
     rows = [{"plan_blocks": 1000, "t": 0.5}, {"plan_blocks": 4000, "t": 8.0}]
     assert plan_scaling.growth(rows, "t") == pytest.approx(2.0)
+    # A loop whose batch sizes take turns: its plans arm again and again, and reuse packings.
+    turns = plan_scaling.measure_turns(plan_scaling.turns_trace(9, steps=24))
+    assert turns["plans"] >= 2 and turns["arms"] >= 4 and turns["planning_seconds"] > 0, turns
+    assert turns["packings_reused"] >= 1, turns
+    assert turns["planned_reserved_over_live"] <= turns["vmm_reserved_over_live"], turns
 
