@@ -156,6 +156,15 @@ def measure_turns(trace) -> dict:
     }
 
 
+def with_baseline(row: dict, base: dict | None) -> dict:
+    """`row` with the baseline build's planning seconds and peak reserved bytes beside ours."""
+    if base:
+        row["baseline_planning_seconds"] = base["planning_seconds"]
+        row["baseline_peak_reserved_bytes"] = base["peak_reserved_bytes"]
+        row["baseline_over_ours_planning"] = base["planning_seconds"] / max(row["planning_seconds"], 1e-9)
+    return row
+
+
 def growth(rows, key):
     """The exponent x in key ~ blocks^x between the smallest and the largest model."""
     a, b = rows[0], rows[-1]
@@ -238,12 +247,7 @@ def main() -> int:
           f"{'pack_blocks s':>13} {'planned/vmm time':>16}" + (" baseline s" if base else ""))
     for layers in depths:
         trace = record_deep_gpt2(layers, TRACE_DIR / f"deep_gpt2_{layers}.csv.gz")
-        row = {"layers": layers, **measure(trace)}
-        if base:
-            row["baseline_planning_seconds"] = base[layers]["planning_seconds"]
-            row["baseline_peak_reserved_bytes"] = base[layers]["peak_reserved_bytes"]
-            row["baseline_over_ours_planning"] = (base[layers]["planning_seconds"] /
-                                                  max(row["planning_seconds"], 1e-9))
+        row = with_baseline({"layers": layers, **measure(trace)}, base and base[layers])
         rows.append(row)
         print(f"{layers:>6} {row['events']:>8,} {row['plan_blocks']:>7,} "
               f"{row['planning_seconds']:>10.3f} {row['packings_reused']:>6} "
@@ -254,12 +258,8 @@ def main() -> int:
         print(f"\n{'random loop':>26} {'events':>8} {'arms':>5} {'reused':>6} {'planning s':>10} "
               f"{'planned/vmm time':>16}" + (" baseline s" if base_turns else ""))
     for seed in turns:
-        row = {"seed": seed, **measure_turns(turns_trace(seed))}
-        if base_turns:
-            row["baseline_planning_seconds"] = base_turns[seed]["planning_seconds"]
-            row["baseline_peak_reserved_bytes"] = base_turns[seed]["peak_reserved_bytes"]
-            row["baseline_over_ours_planning"] = (base_turns[seed]["planning_seconds"] /
-                                                  max(row["planning_seconds"], 1e-9))
+        row = with_baseline({"seed": seed, **measure_turns(turns_trace(seed))},
+                            base_turns and base_turns[seed])
         turn_rows.append(row)
         print(f"{row['trace']:>26} {row['events']:>8,} {row['arms']:>5} {row['packings_reused']:>6} "
               f"{row['planning_seconds']:>10.3f} {row['planned_over_vmm_time']:>16.1f}"
