@@ -56,7 +56,7 @@ std::atomic<std::uint64_t> next_allocator_id{1};
 }  // namespace
 
 CachingAllocator::CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config)
-    : device_(std::move(device)), config_(config) {
+    : LockedAllocator(std::move(device)), config_(config) {
   if (!device_) throw AllocatorError("CachingAllocator needs a device");
   if (config_.vmm && !device_->supports_vmm()) {
     throw AllocatorError("policy config asks for vmm, but this device has no virtual memory "
@@ -309,37 +309,6 @@ void CachingAllocator::empty_cache() {
   synchronize_and_free_events();
   reclaim_pages(nullptr, 0, 0, kNoLimit);
   release_cached(kNoLimit);
-}
-
-void CachingAllocator::set_memory_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = bytes;
-}
-
-void CachingAllocator::set_memory_fraction(double fraction) {
-  const std::size_t limit = limit_for_fraction(fraction, device_->capacity());
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = limit;
-}
-
-std::size_t CachingAllocator::memory_limit() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return limit_;
-}
-
-Stats CachingAllocator::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
-}
-
-void CachingAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.reset_peak();
-}
-
-void CachingAllocator::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.reset_accumulated();
 }
 
 std::string CachingAllocator::last_error() const {

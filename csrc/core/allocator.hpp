@@ -20,6 +20,7 @@
 #include "block.hpp"
 #include "config.hpp"
 #include "device.hpp"
+#include "locked_allocator.hpp"
 #include "snapshot.hpp"
 #include "stats.hpp"
 
@@ -48,7 +49,7 @@ struct LargestFirst {
   }
 };
 
-class CachingAllocator : public Allocator {
+class CachingAllocator : public LockedAllocator {
  public:
   CachingAllocator(std::shared_ptr<Device> device, PolicyConfig config);
   ~CachingAllocator() override;
@@ -90,14 +91,8 @@ class CachingAllocator : public Allocator {
       const std::vector<std::pair<std::uintptr_t, std::size_t>>& holes,
       const std::vector<SharePair>& pairs) const;
 
-  // Limit on reserved bytes; 0 removes it. A fraction is of the device capacity.
-  void set_memory_limit(std::size_t bytes) override;
-  void set_memory_fraction(double fraction) override;
-  std::size_t memory_limit() const override;
-
-  Stats stats() const override;
-  void reset_peak_stats() override;
-  void reset_accumulated_stats() override;
+  // The memory limit (on reserved bytes; 0: none; a fraction is of the device capacity) and
+  // the stats are LockedAllocator's.
   std::vector<SegmentInfo> snapshot() const override;
   // The size a request is rounded to under this policy.
   std::size_t round_size(std::size_t size) const override;
@@ -333,9 +328,7 @@ class CachingAllocator : public Allocator {
   Block* new_block();
   void delete_block(Block* b);
 
-  std::shared_ptr<Device> device_;
   PolicyConfig config_;
-  mutable std::mutex mutex_;
   Pool small_;
   Pool large_;
   std::unordered_map<std::uintptr_t, Block*> allocated_;  // by address, allocated or pending
@@ -366,7 +359,6 @@ class CachingAllocator : public Allocator {
   std::unordered_map<StreamId, std::uint64_t> last_idle_free_;  // last free leaving a page unused
   std::vector<Block*> block_pool_;
   std::uint64_t free_seq_ = 0;
-  std::size_t limit_ = 0;  // 0: none
   std::int64_t reserved_ = 0;
   std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
   // pack_long_lived (allocator.cpp: long_lived): allocations and frees so far, allocations
@@ -379,7 +371,6 @@ class CachingAllocator : public Allocator {
   std::unordered_set<std::size_t> old_sizes_;
   std::int64_t window_hwm_ = 0;    // highest reserved since take_window_peak()
   std::int64_t grow_mark_ = 0;     // see set_grow_mark: reserved_hwm_ unless lowered
-  Stats stats_;
   std::string last_error_;  // of any thread; last_error() prefers the calling thread's own
   const std::uint64_t id_ = next_id();
   void set_last_error(std::string message);  // under mutex_

@@ -86,7 +86,7 @@ bool GMLakeAllocator::StitchOrder::operator()(const Stitch* a, const Stitch* b) 
 }
 
 GMLakeAllocator::GMLakeAllocator(std::shared_ptr<Device> device, GMLakeConfig config)
-    : device_(std::move(device)), config_(config), page_(device_ ? device_->granularity() : 0) {
+    : LockedAllocator(std::move(device)), config_(config), page_(device_ ? device_->granularity() : 0) {
   if (!device_) throw AllocatorError("policy 'gmlake' needs a device");
   if (!device_->supports_vmm() || !device_->supports_page_sharing()) {
     throw AllocatorError("policy 'gmlake' stitches physical pages into new address ranges, which "
@@ -716,37 +716,6 @@ void GMLakeAllocator::empty_cache() {
   for (Stitch* s : cached) streams.insert(s->stream);
   sync_streams(streams);
   for (Stitch* s : cached) delete_stitch(s);
-}
-
-void GMLakeAllocator::set_memory_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = bytes;
-}
-
-void GMLakeAllocator::set_memory_fraction(double fraction) {
-  const std::size_t limit = limit_for_fraction(fraction, device_->capacity());
-  std::lock_guard<std::mutex> lock(mutex_);
-  limit_ = limit;
-}
-
-std::size_t GMLakeAllocator::memory_limit() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return limit_;
-}
-
-Stats GMLakeAllocator::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
-}
-
-void GMLakeAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.reset_peak();
-}
-
-void GMLakeAllocator::reset_accumulated_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.reset_accumulated();
 }
 
 std::string GMLakeAllocator::last_error() const {

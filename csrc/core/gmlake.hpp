@@ -38,6 +38,7 @@
 
 #include "allocator_api.hpp"
 #include "config.hpp"
+#include "locked_allocator.hpp"
 
 namespace pymemplan {
 
@@ -52,7 +53,7 @@ struct GMLakeConfig {
   std::string to_string() const;
 };
 
-class GMLakeAllocator : public Allocator {
+class GMLakeAllocator : public LockedAllocator {
  public:
   GMLakeAllocator(std::shared_ptr<Device> device, GMLakeConfig config);
   ~GMLakeAllocator() override;
@@ -65,12 +66,6 @@ class GMLakeAllocator : public Allocator {
   void record_stream(void* ptr, StreamId stream) override;
   bool owns(const void* ptr) const override;
   void empty_cache() override;
-  void set_memory_limit(std::size_t bytes) override;
-  void set_memory_fraction(double fraction) override;
-  std::size_t memory_limit() const override;
-  Stats stats() const override;
-  void reset_peak_stats() override;
-  void reset_accumulated_stats() override;
   std::vector<SegmentInfo> snapshot() const override;
   std::string last_error() const override;
   std::size_t round_size(std::size_t size) const override;
@@ -164,13 +159,9 @@ class GMLakeAllocator : public Allocator {
   std::size_t large_segment_size(std::size_t rounded) const;
   std::string oom_message(std::size_t size, std::size_t rounded, StreamId stream) const;
 
-  std::shared_ptr<Device> device_;
   const GMLakeConfig config_;
   const std::size_t page_;
-  mutable std::mutex mutex_;
-  std::size_t limit_ = 0;
   std::int64_t reserved_ = 0;
-  Stats stats_;
   std::string last_error_;
   std::map<std::uintptr_t, std::unique_ptr<Seg>> segs_;
   std::vector<std::unique_ptr<Blk>> blk_store_;  // recycled through spare_
