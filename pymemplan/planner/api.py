@@ -350,7 +350,9 @@ class MemoryTrace:
         are freed before the next step, as zero_grad(set_to_none=True) does. The first step
         is a first step: the optimizer makes its state there, where its first
         ``step()`` made it (``StepGraph.first_optimizer_step``), among what is left of
-        the backward pass, rather than before the run (``first_step=False``: before)."""
+        the backward pass, rather than before the run (``first_step=False``: before).
+        ``meta["step_starts"]`` holds the index of each step's first event (a step starts
+        by freeing what the last one kept, as ``zero_grad(set_to_none=True)`` does)."""
         from ..traces.trace import ALLOC, FREE, Trace
 
         one = self.allocation_trace()
@@ -367,7 +369,9 @@ class MemoryTrace:
         offset = 1 + max((r[1] for r in rows), default=0)
         out = list(prologue)
         leftovers: list[tuple] = []
+        starts = []
         for k in range(iterations):
+            starts.append(len(out))
             out.extend((FREE, r[1], r[2], r[3], r[4]) for r in leftovers)
             live: dict[int, tuple] = {}
             events = step if k > 0 or not first else self._first_step(step, iterations * offset)
@@ -380,7 +384,8 @@ class MemoryTrace:
                 elif a == FREE:
                     live.pop(ptr, None)
             leftovers = [r for r in live.values() if r[1] not in made_first]
-        return Trace.from_events(out, name=f"{one.name} x{iterations}")
+        return Trace.from_events(out, name=f"{one.name} x{iterations}",
+                                 meta={"step_starts": starts})
 
     def _first_step(self, step: list[tuple], fresh: int) -> list[tuple]:
         """The step's rows with its ``optimizer.step()`` replaced by the optimizer's first

@@ -1,0 +1,97 @@
+"""Training runs the size of a GPU's memory, predicted by the planner
+(benchmarks/alloc_gpu_scale.py): where each step starts, the driver calls each step makes, and
+what they showed of pymemplan-planned."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pymemplan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from alloc_gpu_scale import GpuWorkload, calls_per_step, predicted_run, verdicts  # noqa: E402
+
+from pymemplan.planner import models  # noqa: E402
+from pymemplan.traces import replay  # noqa: E402
+from pymemplan.traces.trace import ALLOC, FREE  # noqa: E402
+
+
+def _mlp_run(steps):
+    w = models.mlp(batch=64, layers=3, width=256)
+    t = pymemplan.trace(w.model, w.inputs, loss_fn=w.loss_fn, optimizer=torch.optim.AdamW,
+                        device="cuda")
+    return t, t._repeated_trace(steps)
+
+
+def test_a_predicted_run_says_where_each_step_starts():
+    t, run = _mlp_run(4)
+    starts = run.meta["step_starts"]
+    assert len(starts) == 4 and starts == sorted(starts) and 0 < starts[0]
+    actions, ptrs = run.action.tolist(), run.ptr.tolist()
+    # Before the first step: the parameters, allocated and never freed in the run.
+    params = {p for a, p in zip(actions[:starts[0]], ptrs[:starts[0]]) if a == ALLOC}
+    assert params and not any(a == FREE and p in params for a, p in zip(actions, ptrs))
+    # Each later step starts by freeing the gradients the last one kept (zero_grad), and
+    # the steps after the first (which makes the optimizer's state) are alike.
+    grads = {x.id for x in t.tensors if x.category == "gradient"}
+    for s in starts[1:]:
+        assert actions[s] == FREE and ptrs[s] % (1 + max(x.id for x in t.tensors)) in grads
+    lengths = [b - a for a, b in zip(starts[1:], starts[2:] + [len(run)])]
+    assert len(set(lengths)) == 1, lengths
+
+
+def test_calls_per_step_count_each_step_and_add_up_to_the_run():
+    _, run = _mlp_run(4)
+    for policy in ("torch", "pymemplan-vmm", "pymemplan-planned"):
+        counts, stats = calls_per_step(run, policy)
+        (r,) = replay(run, [policy])
+        assert len(counts) == 4 and sum(counts) == r.device_allocs + r.device_frees
+        assert ("arms" in stats) == (policy == "pymemplan-planned")
+    # PyTorch's allocator, warm, keeps what it has.
+    assert calls_per_step(run, "torch")[0][-1] == 0
+
+
+def test_a_plan_made_again_replaces_a_layout_that_leaves_requests_to_the_pool():
+    """GPT-2 small at 8 x 1024 under AdamW, predicted on CUDA. The first plan is made from a
+    window that held the first step's optimizer state and none of the later steps' optimizer
+    temporaries; the pass after it arms, one event shorter than its period, makes it again
+    (a remake), whose layout is packed 3 pages above what the old one held in that pass. The
+    old layout was kept, and it left those temporaries to the pool at every step, which served
+    them around the arena by moving 480 pages (960 driver calls) at each step for good. Now
+    the plan made again may go up to the run's highest reserved where the old layout leaves
+    requests to the pool: the warm steps make no driver call, at the same peaks."""
+    run = predicted_run(GpuWorkload("gpt2_b8", lambda: models.gpt2(batch=8)), steps=6)
+    counts, stats = calls_per_step(run, "pymemplan-planned")
+    assert stats["remakes"] == 1 and stats["layouts_kept"] == 0, stats
+    assert counts[-2:] == [0, 0], counts
+    (planned, vmm) = replay(run, ["pymemplan-planned", "pymemplan-vmm"])
+    assert planned.steady_reserved_over_live < 1.0001, planned.steady_reserved_over_live
+    assert planned.peak_reserved_bytes <= vmm.peak_reserved_bytes
+    # pymemplan-vmm, with no plan, moves pages at every step of the same run.
+    assert calls_per_step(run, "pymemplan-vmm")[0][-1] > 0
+
+
+def test_verdicts_name_the_targets():
+    row = {"policies": {
+        "torch": {"peak_reserved_bytes": 110},
+        "pymemplan-vmm": {"peak_reserved_bytes": 104, "reserved_over_live": 1.04,
+                          "steady_reserved_over_live": None, "steady_calls_per_step": 3.0},
+        "pymemplan-planned": {"peak_reserved_bytes": 101, "reserved_over_live": 1.01,
+                              "steady_reserved_over_live": 1.005, "steady_calls_per_step": 0.0}}}
+    v = verdicts(row)
+    assert v["pymemplan-vmm"] == {"within_3pct": False, "at_most_torch": True,
+                                  "no_calls_when_warm": False}
+    assert v["pymemplan-planned"] == {"within_3pct": True, "at_most_torch": True,
+                                      "no_calls_when_warm": True, "steady_within_1pct": True}
+
+
+def test_an_unknown_workload_is_named_in_the_error(capsys):
+    import alloc_gpu_scale
+
+    with pytest.raises(SystemExit):
+        sys.argv = ["alloc_gpu_scale.py", "--only", "gpt2_b8", "no_such_model"]
+        alloc_gpu_scale.main()
+    assert "no_such_model" in capsys.readouterr().err
