@@ -59,7 +59,9 @@
 //   mark to the footprint the plan expects (live pool pages + arena): from then on memory grows
 //   past that only after unused pages, the arena's idle ones included, went back. The plan is used
 //   only if that footprint is at most the highest reserved so far, or within plan_slack per mille
-//   of the highest live bytes; the packer gives up as soon as it cannot meet that. An armed plan
+//   of the highest live bytes, but for the latter not right after a whole pass of its period that
+//   the pool served (that pass measured what a pass takes without the plan); the packer gives up
+//   as soon as it cannot meet that. An armed plan
 //   whose pass took memory past that limit is dropped at its next cut; it may arm again before
 //   the highest reserved rises only after a pass the pool served, for a page less than that
 //   pass took (an estimate a page short must not lose the plan for good). Where the request that
@@ -151,7 +153,8 @@ namespace pymemplan {
 //                    of the bound (0.6 s); a few gain nothing on the benchmark
 //   plan_slack       a plan whose steady footprint is above the highest        default 10
 //                    reserved so far is still used if within this many per
-//                    mille of the highest live bytes
+//                    mille of the highest live bytes (not where the pool has
+//                    just served a whole pass of the plan's period)
 //   holes            1: blocks of a plan go first to the free parts of pages      default 1
 //                    that blocks outliving the period keep mapped (packing.hpp
 //                    fill_holes); 0: everything to the arena
@@ -520,6 +523,7 @@ class PlannedAllocator : public Allocator {
   std::int64_t arm_limit_ = 0;       // reserved memory the armed plan was accepted against
   std::int64_t pool_only_high_ = 0;  // highest reserved after a request, with no arena
   std::size_t arm_cap_ = std::numeric_limits<std::size_t>::max();  // see boundary()
+  bool pool_pass_ = false;  // arming at a cut after a whole pass the pool served (boundary())
   std::size_t mid_pass_need_ = 0;  // arm_mid_pass(): what the rest of the pass holds at least
   bool mid_pass_ = false;  // serving the rest of the pass a plan armed in (arm_mid_pass())
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
