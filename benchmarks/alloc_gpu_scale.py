@@ -2,10 +2,12 @@
 
 The recorded traces of alloc_replay.py are CPU runs of 19 MiB to 1.6 GiB, where one 2 MiB page
 is up to 11% of the peak. A training job on an 80 GiB GPU holds gigabytes: each workload here
-is a model at a batch size that fills 2 to 65 GiB, traced by the planner under fake tensors
-(`pymemplan.trace(..., device="cuda")`: CUDA's sizes, no memory) and run for STEPS steps (the
-first one makes AdamW's state; `MemoryTrace.reserved_peak` replays the same run), then replayed
-through every policy on a simulated 80 GiB device with 2 MiB pages. Reported per workload and
+is a model at a batch size that fills 6 to 65 GiB, traced by the planner under fake tensors
+(`pymemplan.trace(..., device="cuda")`: CUDA's sizes, no memory) and run for STEPS steps under
+AdamW (the first one makes the optimizer's state, as `MemoryTrace.reserved_peak`'s run does; in
+four of them the sequence length or the batch changes from step to step, a run made by
+`pymemplan.planner.run_trace`), then replayed through every policy on a simulated 80 GiB device
+with 2 MiB pages. Reported per workload and
 policy:
 - peak reserved over peak live, over the run and in the steady state (from the first request
   a plan served, as in alloc_replay.py);
@@ -49,22 +51,23 @@ SHORT = {"torch=expandable_segments:True": "expandable", "pymemplan-vmm": "vmm",
 @dataclass
 class GpuWorkload:
     name: str
-    build: Callable  # () -> pymemplan.planner.models.Workload, on the meta device
+    build: Callable  # (shape) -> pymemplan.planner.models.Workload, on the meta device
     autocast: str | None = None  # "bfloat16"
     description: str = ""
+    shapes: tuple | None = None  # each step's shape (sequence length, batch); None: one shape
 
 
-def _vision(name: str, batch: int):
+def _vision(name: str, batch: int | None = None):
     from pymemplan.planner.models import _torchvision
 
-    return lambda: _torchvision(name, batch, "meta")
+    return lambda shape=None: _torchvision(name, shape or batch, "meta")
 
 
 def workloads() -> dict[str, GpuWorkload]:
     from pymemplan.planner import models as m
 
-    def w(name, build, autocast=None, description=""):
-        return name, GpuWorkload(name, build, autocast, description)
+    def w(name, build, autocast=None, description="", shapes=None):
+        return name, GpuWorkload(name, build, autocast, description, shapes)
 
     return dict([
         w("gpt2_b8", lambda: m.gpt2(batch=8), None, "GPT-2 small, 8 x 1024"),
@@ -87,20 +90,37 @@ def workloads() -> dict[str, GpuWorkload]:
         w("effnet_b0_b128", _vision("efficientnet_b0", 128), None, "EfficientNet-B0, 128 images"),
         w("swin_t_b64", _vision("swin_t", 64), None, "Swin-T, 64 images"),
         w("mlp_b4096", lambda: m.mlp(batch=4096, width=4096), None, "24-layer MLP, width 4096, batch 4096"),
+        # Steps of several shapes, as a loader that buckets by length (or the last, short
+        # batch of an epoch) makes them: where PyTorch's allocator fragments most.
+        w("bert_b32_varlen", lambda seq: m.bert(batch=32, seq_len=seq), None,
+          "BERT-base, batch 32, sequence lengths 128 to 512", (256, 512, 128, 384, 512, 256, 384, 128)),
+        w("gpt2_b8_varlen", lambda seq: m.gpt2(batch=8, seq_len=seq), None,
+          "GPT-2 small, batch 8, sequence lengths 256 to 1024", (512, 1024, 256, 768, 1024, 512, 768, 256)),
+        w("llama_8l_varlen_bf16", lambda seq: m.llama_7b(batch=2, seq_len=seq, layers=8), "bfloat16",
+          "LLaMA-2-7B's shapes, 8 layers, batch 2, sequence lengths 512 to 2048, bf16 autocast",
+          (1024, 2048, 512, 1536, 2048, 1024, 1536, 512)),
+        w("vit_b_16_varbatch", _vision("vit_b_16"), None, "ViT-B/16, batches of 32 to 64 images",
+          (64, 48, 32, 64, 48, 32, 64, 48)),
     ])
 
 
 def predicted_run(workload: GpuWorkload, steps: int = STEPS):
-    """The planner's allocation trace of `steps` training steps with AdamW, on CUDA."""
+    """The planner's allocation trace of `steps` training steps with AdamW, on CUDA (the
+    workload's shapes, one per step, where it has them)."""
     import torch
 
     import pymemplan
+    from pymemplan.planner import run_trace
 
-    built = workload.build()
     autocast = getattr(torch, workload.autocast) if workload.autocast else None
-    traced = pymemplan.trace(built.model, built.inputs, loss_fn=built.loss_fn,
-                             optimizer=torch.optim.AdamW, device="cuda", autocast=autocast)
-    run = traced._repeated_trace(steps)
+    shapes = workload.shapes[:steps] if workload.shapes else (None,) * steps
+    traced = {}
+    for shape in dict.fromkeys(shapes):
+        built = workload.build(shape) if shape is not None else workload.build()
+        traced[shape] = pymemplan.trace(built.model, built.inputs, loss_fn=built.loss_fn,
+                                        optimizer=torch.optim.AdamW, device="cuda",
+                                        autocast=autocast)
+    run = run_trace([traced[shape] for shape in shapes])
     run.name = workload.name
     return run
 

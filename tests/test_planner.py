@@ -434,6 +434,51 @@ def test_reserved_peak_matches_a_recorded_run_whose_first_step_makes_the_adam_st
     assert min(allocs.index(s) for s in state) > first_grad
 
 
+def test_a_run_of_steps_of_several_shapes_holds_each_steps_own_peak():
+    """run_trace: a step of another batch (or sequence length) is the same model and optimizer
+    on another input. The parameters and the optimizer's state are allocated once; each step
+    makes its own input as it starts and the last one's goes; each step after the first (a
+    first step, where the optimizer makes its state) peaks at its own predicted peak."""
+    import numpy as np
+
+    from pymemplan.planner import run_trace
+    from pymemplan.traces.trace import ALLOC
+
+    model = mlp(layers=3, width=256)
+    steps = {b: pymemplan.trace(model, (torch.randn(b, 256),), loss_fn=ce_loss,
+                                optimizer=torch.optim.AdamW, device="cuda") for b in (64, 128)}
+    order = [64, 128, 64, 64]
+    run = run_trace([steps[b] for b in order])
+    starts = run.meta["step_starts"] + [len(run)]
+    action, size, ptr = np.array(run.action), np.array(run.size), np.array(run.ptr)
+    live = np.cumsum(np.where(action == ALLOC, size, -size))
+    for k in range(1, 4):
+        assert live[starts[k]:starts[k + 1]].max() == steps[order[k]].peak_bytes, k
+    ids = ptr[action == ALLOC].tolist()
+    state = [x.id for x in steps[64].tensors if x.category in ("parameter", "optimizer_state")]
+    assert all(ids.count(i) == 1 for i in state)
+    # Each step starts with its own input, of its own batch.
+    first = {k: int(size[starts[k]]) for k in range(4)}
+    assert first == {k: b * 256 * 4 for k, b in enumerate(order)}
+    # The same model traced on one input, repeated, is the run it has always been.
+    assert run_trace([steps[64]] * 3).action.tolist() == steps[64]._repeated_trace(3).action.tolist()
+
+
+def test_a_run_of_steps_of_two_models_is_refused_with_the_step_that_differs():
+    from pymemplan.planner import run_trace
+
+    a = pymemplan.trace(mlp(layers=3, width=64), (torch.randn(8, 64),), loss_fn=ce_loss,
+                        optimizer=torch.optim.AdamW, device="cuda")
+    b = pymemplan.trace(mlp(layers=3, width=96), (torch.randn(8, 96),), loss_fn=ce_loss,
+                        optimizer=torch.optim.AdamW, device="cuda")
+    with pytest.raises(ValueError, match="step 1 does not keep the tensors step 0 keeps"):
+        run_trace([a, b])
+    with pytest.raises(ValueError, match="step 2 does not keep"):
+        run_trace([a, a, b])
+    with pytest.raises(ValueError, match="non-empty list of MemoryTrace"):
+        run_trace([])
+
+
 def test_the_first_optimizer_step_is_recorded_as_the_optimizer_runs_it():
     model = mlp(layers=3, width=256)
     x = torch.randn(32, 256)

@@ -162,6 +162,77 @@ class LiveTensor:
     freed_after: int | None  # op after which it was released; None: live at the end
 
 
+def run_trace(steps, *, first_step: bool = True):
+    """The allocation trace of a run whose steps are ``steps`` in order: ``MemoryTrace``
+    objects of one model and one optimizer, traced on other inputs (sequence lengths, batch
+    sizes) or the same one repeated. Replay it through allocator policies
+    (``pymemplan.traces.replay``) to predict what each reserves over such a run, where
+    PyTorch's allocator fragments most.
+
+    Tensors from before a step that it keeps (parameters, buffers, the optimizer's state) are
+    allocated once; those it frees (the inputs) come anew with every step; tensors a step
+    creates and keeps (gradients) are freed when the next one starts, as
+    ``zero_grad(set_to_none=True)`` does. The first step is a first step: the optimizer makes
+    its state there, where its first ``step()`` made it (``StepGraph.first_optimizer_step``),
+    among what is left of the backward pass, rather than before the run (``first_step=False``:
+    before). ``meta["step_starts"]`` holds the index of each step's first event.
+
+    Raises ``ValueError`` when the steps do not keep the same tensors across steps (another
+    model, another optimizer, or a model whose parameters depend on the input's shape)."""
+    from ..traces.trace import ALLOC, FREE, Trace
+
+    steps = list(steps)
+    if not steps or not all(isinstance(t, MemoryTrace) for t in steps):
+        raise ValueError("run_trace needs a non-empty list of MemoryTrace objects "
+                         "(pymemplan.trace(...) of each step)")
+    parts = [t._step_rows() for t in steps]
+    sizes = parts[0][0]
+    # An input the caller holds across the step is kept too; where steps differ in shape, each
+    # step has its own, made as the step starts, and the last one's is then released (a loop
+    # rebinding its batch). Any other difference is another model or optimizer.
+    inputs = {i for i in sizes if steps[0].graph.tensors[i].category == "input"}
+    per_step = set()
+    for k, part in enumerate(parts[1:], start=1):
+        differ = {i for i in set(part[0]) | set(sizes) if part[0].get(i) != sizes.get(i)}
+        if differ - inputs:
+            shown = sorted((i, sizes.get(i), part[0].get(i)) for i in differ - inputs)[:3]
+            raise ValueError(
+                f"step {k} does not keep the tensors step 0 keeps across steps (tensor id, bytes "
+                f"in step 0, bytes in step {k}: {shown}): trace every step from the same model "
+                f"and optimizer, changing only the inputs")
+        per_step |= differ
+    kept = set(sizes)
+    first = steps[0].graph.first_optimizer_step if first_step else None
+    made_first = ({ev[1] for ev in first["events"] if ev[0] == ALLOC and ev[1] in kept}
+                  if first else set())
+    out = [r for r in parts[0][2] if r[1] not in made_first and r[1] not in per_step]
+    fresh = sum(part[3] for part in parts)  # ids of the first step's own temporaries
+    leftovers: list[tuple] = []
+    held: list[tuple] = []  # the last step's own inputs
+    starts, base = [], 0
+    for k, (t, (_, step, prologue, offset, _)) in enumerate(zip(steps, parts)):
+        starts.append(len(out))
+        batch = [(ALLOC, r[1] + base, r[2], r[3], r[4]) for r in prologue if r[1] in per_step]
+        out.extend(batch)
+        out.extend((FREE, r[1], r[2], r[3], r[4]) for r in held + leftovers)
+        held = batch
+        live: dict[int, tuple] = {}
+        events = step if k > 0 or not first else t._first_step(step, fresh)
+        for a, ptr, size, stream, time in events:
+            if ptr not in kept and ptr < offset:
+                ptr += base
+            out.append((a, ptr, size, stream, time))
+            if a == ALLOC:
+                live[ptr] = (a, ptr, size, stream, time)
+            elif a == FREE:
+                live.pop(ptr, None)
+        leftovers = [r for r in live.values() if r[1] not in made_first]
+        base += offset
+    names = [part[4] for part in parts]
+    name = f"{names[0]} x{len(steps)}" if len(set(names)) == 1 else " + ".join(names)
+    return Trace.from_events(out, name=name, meta={"step_starts": starts})
+
+
 class MemoryTrace:
     """The predicted memory of one training step. Build with :func:`trace`."""
 
@@ -344,16 +415,15 @@ class MemoryTrace:
         return result.peak_reserved_bytes
 
     def _repeated_trace(self, iterations: int, first_step: bool = True):
-        """The allocation trace of a run of ``iterations`` steps. Tensors from before the
-        step that it keeps (parameters, buffers) are allocated once; those it frees (the
-        inputs) come anew with every step; tensors the step creates and keeps (gradients)
-        are freed before the next step, as zero_grad(set_to_none=True) does. The first step
-        is a first step: the optimizer makes its state there, where its first
-        ``step()`` made it (``StepGraph.first_optimizer_step``), among what is left of
-        the backward pass, rather than before the run (``first_step=False``: before).
-        ``meta["step_starts"]`` holds the index of each step's first event (a step starts
-        by freeing what the last one kept, as ``zero_grad(set_to_none=True)`` does)."""
-        from ..traces.trace import ALLOC, FREE, Trace
+        """The allocation trace of a run of ``iterations`` steps of this one (see
+        :func:`run_trace`)."""
+        return run_trace([self] * iterations, first_step=first_step)
+
+    def _step_rows(self):
+        """This step's allocation rows: (the tensors that live across steps, with their
+        sizes; the rows of the step itself, without their allocations; the prologue's rows,
+        their allocations; one more than the largest tensor id; the trace's name)."""
+        from ..traces.trace import ALLOC, FREE
 
         one = self.allocation_trace()
         rows = list(zip(one.action.tolist(), one.ptr.tolist(), one.size.tolist(),
@@ -361,31 +431,10 @@ class MemoryTrace:
         before = {t.id for t in self.graph.tensors if t.alloc_op == BEFORE_STEP}
         freed_in_step = {r[1] for r in rows if r[0] == FREE}
         kept = before - freed_in_step
-        first = self.graph.first_optimizer_step if first_step else None
-        made_first = ({ev[1] for ev in first["events"] if ev[0] == ALLOC and ev[1] in kept}
-                      if first else set())
-        prologue = [r for r in rows if r[0] == ALLOC and r[1] in kept and r[1] not in made_first]
+        sizes = {r[1]: r[2] for r in rows if r[0] == ALLOC and r[1] in kept}
         step = [r for r in rows if not (r[0] == ALLOC and r[1] in kept)]
-        offset = 1 + max((r[1] for r in rows), default=0)
-        out = list(prologue)
-        leftovers: list[tuple] = []
-        starts = []
-        for k in range(iterations):
-            starts.append(len(out))
-            out.extend((FREE, r[1], r[2], r[3], r[4]) for r in leftovers)
-            live: dict[int, tuple] = {}
-            events = step if k > 0 or not first else self._first_step(step, iterations * offset)
-            for a, ptr, size, stream, t in events:
-                if ptr not in kept and ptr < iterations * offset:
-                    ptr += k * offset
-                out.append((a, ptr, size, stream, t))
-                if a == ALLOC:
-                    live[ptr] = (a, ptr, size, stream, t)
-                elif a == FREE:
-                    live.pop(ptr, None)
-            leftovers = [r for r in live.values() if r[1] not in made_first]
-        return Trace.from_events(out, name=f"{one.name} x{iterations}",
-                                 meta={"step_starts": starts})
+        prologue = [r for r in rows if r[0] == ALLOC and r[1] in kept]
+        return sizes, step, prologue, 1 + max((r[1] for r in rows), default=0), one.name
 
     def _first_step(self, step: list[tuple], fresh: int) -> list[tuple]:
         """The step's rows with its ``optimizer.step()`` replaced by the optimizer's first
