@@ -170,9 +170,10 @@ def run_trace(steps, *, first_step: bool = True):
     PyTorch's allocator fragments most.
 
     Tensors from before a step that it keeps (parameters, buffers, the optimizer's state) are
-    allocated once; those it frees (the inputs) come anew with every step; tensors a step
-    creates and keeps (gradients) are freed when the next one starts, as
-    ``zero_grad(set_to_none=True)`` does. The first step is a first step: the optimizer makes
+    allocated once; inputs the step frees come anew with every step, and so do inputs it holds
+    where the steps' shapes differ (each step's batch made as it starts, the last one's then
+    released, as a loop rebinding its batch does); tensors a step creates and keeps
+    (gradients) are freed when the next one starts, as ``zero_grad(set_to_none=True)`` does. The first step is a first step: the optimizer makes
     its state there, where its first ``step()`` made it (``StepGraph.first_optimizer_step``),
     among what is left of the backward pass, rather than before the run (``first_step=False``:
     before). ``meta["step_starts"]`` holds the index of each step's first event.
