@@ -125,21 +125,25 @@ def predicted_run(workload: GpuWorkload, steps: int = STEPS):
     return run
 
 
-def calls_per_step(run, policy: str) -> tuple[list[int], dict]:
+def calls_per_step(run, policy: str, capacity: int = CAPACITY) -> tuple[list[int], dict]:
     """Driver calls (device allocations + frees: segments, or pages mapped and unmapped) made
-    in each step of `run` under `policy`, and pymemplan-planned's plan_stats() at the end."""
+    in each step of `run` under `policy` (the first step's count includes the parameters'
+    allocations before it), and pymemplan-planned's plan_stats() at the end."""
     from pymemplan import _core
     from pymemplan.traces.replay import parse_policy
 
     name, config = parse_policy(policy)
-    alloc = _core.Allocator(_core.SimulatedDevice(CAPACITY), name, config)
+    alloc = _core.Allocator(_core.SimulatedDevice(capacity), name, config)
     starts = set(run.meta["step_starts"][1:]) | {len(run)}
     live, counts, before = {}, [], 0
     for i, (a, p, n, st) in enumerate(zip(run.action.tolist(), run.ptr.tolist(),
                                           run.size.tolist(), run.stream.tolist())):
         if a == 0:
-            live[p] = alloc.malloc(n, st)
-        elif a == 1:
+            try:
+                live[p] = alloc.malloc(n, st)
+            except _core.OutOfMemoryError:  # counted by replay() as an OOM; skipped with its free
+                pass
+        elif a == 1 and p in live:
             alloc.free(live.pop(p))
         if i + 1 in starts:
             s = alloc.stats()

@@ -52,6 +52,11 @@ def test_calls_per_step_count_each_step_and_add_up_to_the_run():
         assert ("arms" in stats) == (policy == "pymemplan-planned")
     # PyTorch's allocator, warm, keeps what it has.
     assert calls_per_step(run, "torch")[0][-1] == 0
+    # On a device too small for the run, refused requests are skipped (with their frees), as
+    # replay() counts them, rather than ending the measurement.
+    (small,) = replay(run, ["pymemplan-vmm"], capacity=4 << 20)
+    assert small.ooms > 0
+    assert len(calls_per_step(run, "pymemplan-vmm", capacity=4 << 20)[0]) == 4
 
 
 def test_a_plan_made_again_replaces_a_layout_that_leaves_requests_to_the_pool():
