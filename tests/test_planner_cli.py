@@ -127,3 +127,62 @@ def test_nonzero_density_option_sizes_masks(tmp_path, capsys):
                  "--nonzero-density", "1/4"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["peak_bytes"] > 250 * 16 * 4  # the 250 rows the mask keeps, at least
+
+
+def test_trace_reserved_predicts_what_each_allocator_reserves(capsys):
+    """--reserved: the predicted run of 3 steps replayed through the allocators. Each holds
+    at least the offline layout, which holds at least the live peak in whole pages."""
+    rc = main(["trace", "mlp", "--batch", "64", "--optimizer", "adamw", "--reserved", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)["reserved"]
+    assert d["steps"] == 3
+    page = 2 << 20
+    floor = -(-d["peak_live_bytes"] // page) * page
+    assert d["offline_bytes"] >= floor
+    assert set(d["policies"]) == {"torch", "torch=expandable_segments:True", "pymemplan-vmm",
+                                  "pymemplan-planned"}
+    assert all(b >= d["offline_bytes"] for b in d["policies"].values())
+
+
+def test_trace_reserved_over_a_run_of_several_lengths(capsys):
+    """--run-seq-lens: one step per length, in order. The run peaks at the longest step's live
+    peak (the optimizer's state made in the first step); PyTorch's allocator, whose blocks of
+    one length fit another's poorly, holds more than pymemplan-vmm."""
+    argv = ["trace", "gpt2", "--batch", "2", "--seq-len", "64", "--optimizer", "adamw",
+            "--reserved", "--run-seq-lens", "64,256,128,256,64"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = out["reserved"]
+    assert d["steps"] == [64, 256, 128, 256, 64]
+    longest = json.loads(_run_json(["trace", "gpt2", "--batch", "2", "--seq-len", "256",
+                                     "--optimizer", "adamw", "--json"], capsys))
+    assert d["peak_live_bytes"] == longest["peak_bytes"]
+    assert d["policies"]["torch"] > d["policies"]["pymemplan-vmm"] >= d["offline_bytes"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "Reserved memory over a run of 5 steps at sequence lengths" in text
+    assert "PyTorch, expandable_segments" in text and "least possible with 2 MiB pages" in text
+
+
+def _run_json(argv, capsys):
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "mlp", "--run-seq-lens", "64,128"], "add --reserved"),
+    (["trace", "mlp", "--reserved", "--device", "cpu"], "use it with --device cuda"),
+    (["trace", "resnet50", "--batch", "2", "--reserved", "--run-seq-lens", "64,128"],
+     "--reserved: --seq-len 64: the built-in 'resnet50' has no sequence"),
+])
+def test_trace_reserved_bad_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, message", [("64,x", "not a list of lengths"), ("64,0", "must be positive")])
+def test_run_seq_lens_rejects_what_is_not_lengths(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "gpt2", "--reserved", "--run-seq-lens", value])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

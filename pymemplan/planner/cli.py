@@ -43,7 +43,30 @@ def add_parser(sub) -> None:
                    help="also plan activation checkpointing to fit SIZE (e.g. 6GiB): the "
                         "modules to recompute, the predicted peak and recompute cost "
                         "(under 'checkpoint_plan' with --json)")
+    p.add_argument("--reserved", action="store_true",
+                   help="also predict the memory each allocator reserves over a run of 3 steps "
+                        "(PyTorch's, with expandable segments, pymemplan's): what decides an "
+                        "OOM (under 'reserved' with --json)")
+    p.add_argument("--run-seq-lens", type=_lengths, metavar="N,N,...",
+                   help="with --reserved: the run's steps at these sequence lengths, in this "
+                        "order (e.g. 256,512,128,512), as a loader that buckets by length makes "
+                        "them")
     p.set_defaults(func=run)
+
+
+RESERVED_POLICIES = ("torch", "torch=expandable_segments:True", "pymemplan-vmm",
+                     "pymemplan-planned")
+
+
+def _lengths(text: str) -> list[int]:
+    """Sequence lengths such as 256,512,128."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of lengths such as 256,512,128")
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: lengths must be positive")
+    return values
 
 
 def _density(text: str) -> float:
@@ -122,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 0:
         print(f"pymemplan trace: --top must be 0 or more, got {args.top}", file=sys.stderr)
         return 2
+    if args.run_seq_lens and not args.reserved:
+        print("pymemplan trace: --run-seq-lens describes the run of --reserved; add --reserved",
+              file=sys.stderr)
+        return 2
+    if args.reserved and args.device != "cuda":
+        print("pymemplan trace: --reserved predicts what CUDA's caching allocators reserve; "
+              "use it with --device cuda (the default)", file=sys.stderr)
+        return 2
     problem = output_problem(args.plot, "--plot")
     if problem:
         print(f"pymemplan trace: {problem}", file=sys.stderr)
@@ -138,12 +169,18 @@ def run(args: argparse.Namespace) -> int:
             def progress(phase, n):
                 status.update(f"tracing {w.name}: {phase} pass, {n:,} ops ...")
 
+            def trace_at(seq_len, progress=None):
+                """The step traced with the command's options, at another sequence length."""
+                built = w if seq_len is None else load_workload(args.model, batch=args.batch,
+                                                                seq_len=seq_len)
+                return trace(built.model, built.inputs, loss_fn=built.loss_fn,
+                             optimizer=_optimizer(args.optimizer), device=args.device,
+                             autocast=getattr(torch, autocast) if autocast else None,
+                             probe_kernels=False if args.no_probe else None, progress=progress,
+                             nonzero_density=args.nonzero_density)
+
             status.update(f"tracing {w.name} ...")
-            t = trace(w.model, w.inputs, loss_fn=w.loss_fn, optimizer=_optimizer(args.optimizer),
-                      device=args.device,
-                      autocast=getattr(torch, autocast) if autocast else None,
-                      probe_kernels=False if args.no_probe else None, progress=progress,
-                      nonzero_density=args.nonzero_density)
+            t = trace_at(None, progress)
     except (PlannerError, ValueError, OSError) as e:
         print(f"pymemplan trace: {e}", file=sys.stderr)
         return 2
@@ -161,24 +198,81 @@ def run(args: argparse.Namespace) -> int:
         except PlannerError as e:
             print(f"pymemplan trace: --budget: {e}", file=sys.stderr)
             return 2
+    reserved = None
+    if args.reserved:
+        try:
+            with err.status("replaying the predicted run through the allocators ...", spinner="dots"):
+                reserved = _reserved(args, t, lambda n: trace_at(n))
+        except (PlannerError, ValueError, OSError) as e:
+            print(f"pymemplan trace: --reserved: {e}", file=sys.stderr)
+            return 2
     if args.plot:
         t.plot(args.plot)
     if args.json:
-        if args.budget is None:
+        if args.budget is None and reserved is None:
             print(t.to_json(top=args.top, timeline=False))
         else:
             import json
 
             d = t.to_dict(top=args.top, timeline=False)
-            d["checkpoint_plan"] = plan.to_dict() if plan is not None else plan_error
+            if args.budget is not None:
+                d["checkpoint_plan"] = plan.to_dict() if plan is not None else plan_error
+            if reserved is not None:
+                d["reserved"] = reserved
             print(json.dumps(d, indent=1))
     else:
         t.print(top=args.top)
         if plan is not None:
             print()
             print(plan.summary())
+        if reserved is not None:
+            print()
+            _print_reserved(reserved)
         if args.plot:
             err.print(f"plot written to {args.plot}")
     if plan_error is not None:
         print(f"pymemplan trace: --budget: {plan_error['error']}", file=sys.stderr)
     return rc
+
+
+def _reserved(args, t, trace_at) -> dict:
+    """Peak reserved bytes of each allocator over the predicted run: 3 steps of `t`, or one
+    step per length of --run-seq-lens (each length traced once), and the offline bound."""
+    from ..traces import offline_layout, replay
+    from .api import run_trace
+
+    if args.run_seq_lens:
+        traced = {n: trace_at(n) for n in dict.fromkeys(args.run_seq_lens)}
+        steps = [traced[n] for n in args.run_seq_lens]
+    else:
+        steps = [t] * 3
+    run = run_trace(steps)
+    live = run.peak_live_bytes()
+    capacity = max(4 * live, 1 << 30)  # a device big enough for any policy's layout
+    results = replay(run, RESERVED_POLICIES, capacity=capacity, granularity="2MiB")
+    return {"steps": args.run_seq_lens or 3, "peak_live_bytes": live,
+            "policies": {r.policy: r.peak_reserved_bytes for r in results},
+            "offline_bytes": offline_layout(run, "2MiB").peak_reserved_bytes}
+
+
+def _print_reserved(reserved: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..units import format_bytes
+
+    steps = reserved["steps"]
+    run = (f"{len(steps)} steps at sequence lengths {', '.join(map(str, steps))}"
+           if isinstance(steps, list) else f"{steps} steps")
+    live = reserved["peak_live_bytes"]
+    table = Table(title=f"Reserved memory over a run of {run} (live peak {format_bytes(live)})")
+    table.add_column("allocator")
+    table.add_column("peak reserved", justify="right")
+    table.add_column("over live", justify="right")
+    names = {"torch": "PyTorch", "torch=expandable_segments:True": "PyTorch, expandable_segments",
+             "pymemplan-vmm": "pymemplan-vmm", "pymemplan-planned": "pymemplan-planned"}
+    rows = [(names[p], b) for p, b in reserved["policies"].items()]
+    rows.append(("least possible with 2 MiB pages (offline)", reserved["offline_bytes"]))
+    for name, b in rows:
+        table.add_row(name, format_bytes(b), f"{b / live:.3f}")
+    Console().print(table)
