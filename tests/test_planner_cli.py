@@ -186,3 +186,16 @@ def test_run_seq_lens_rejects_what_is_not_lengths(value, message, capsys):
         main(["trace", "gpt2", "--reserved", "--run-seq-lens", value])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_seq_lens_on_a_model_file_without_a_length_is_an_error(tmp_path, capsys):
+    """Every step would be the same input: refused, not a run of one shape reported as several."""
+    f = tmp_path / "fixed.py"
+    f.write_text(
+        "import torch\n"
+        "def build(batch=2):\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),\n"
+        "                                torch.nn.Linear(16, 1))\n"
+        "    return model, (torch.randn(batch, 16),), lambda out: out.pow(2).mean()\n")
+    assert main(["trace", f"{f}:build", "--reserved", "--run-seq-lens", "8,16"]) == 2
+    assert "takes no seq_len= argument" in capsys.readouterr().err

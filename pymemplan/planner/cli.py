@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reserved:
         try:
             with err.status("replaying the predicted run through the allocators ...", spinner="dots"):
-                reserved = _reserved(args, t, lambda n: trace_at(n))
+                reserved = _reserved(args, t, trace_at)
         except (PlannerError, ValueError, OSError) as e:
             print(f"pymemplan trace: --reserved: {e}", file=sys.stderr)
             return 2
