@@ -97,6 +97,37 @@ def test_a_plan_waits_where_the_pool_just_served_a_pass_for_less():
     assert stats["arms"] >= 1 and counts[-2:] == [0, 0], counts
 
 
+def test_a_plan_made_again_larger_keeps_its_arena():
+    """GPT-2 small at 12 x 1024 under AdamW, predicted on CUDA. The plan made again a pass
+    after it first armed (a remake) packs a little more than the first one, whose arena was
+    the size of its own layout: a new arena was made, and every page of the step moved into it
+    (19,464 page maps and unmaps in that step). An arena's address range now holds any plan
+    the device could: the remake arms in the same range, mapping only what it adds."""
+    run = predicted_run(GpuWorkload("gpt2_b12", lambda: models.gpt2(batch=12)), steps=5)
+    counts, stats = calls_per_step(run, "pymemplan-planned")
+    assert counts[3] < 1_000 and counts[-1] == 0, counts  # 19,464 at step 3 before
+    assert stats["remakes"] == 1 and stats["arenas_made"] == 1, stats
+
+
+def test_plans_of_several_lengths_take_turns_in_one_arena():
+    """GPT-2 small at batch 8, the sequence length changing at every step (512, 1024, 256,
+    768, 1024, 512, 768, 256), predicted on CUDA. Plans of each length are made and adopted
+    by their first requests; each one larger than the arena got a new one, and one adopted
+    while the last plan's blocks were alive in the arena retired it into the pool: every page
+    of the next planned step moved to a new address range (12,756, 8,116 and 6,489 page maps
+    and unmaps in the last three steps). Now one arena serves every plan, and a plan adopted
+    by its first requests arms in it beside the few blocks still alive there."""
+    w = GpuWorkload("gpt2_b8_varlen", lambda seq: models.gpt2(batch=8, seq_len=seq),
+                    shapes=(512, 1024, 256, 768, 1024, 512, 768, 256))
+    run = predicted_run(w)
+    counts, stats = calls_per_step(run, "pymemplan-planned")
+    assert sum(counts[-3:]) < 3_000, counts
+    assert stats["arenas_made"] == 1 and stats["arms"] >= 5, stats
+    (planned, vmm) = replay(run, ["pymemplan-planned", "pymemplan-vmm"])
+    assert planned.peak_reserved_bytes <= vmm.peak_reserved_bytes, (planned.reserved_over_live,
+                                                                     vmm.reserved_over_live)
+
+
 def test_verdicts_name_the_targets():
     row = {"policies": {
         "torch": {"peak_reserved_bytes": 110},

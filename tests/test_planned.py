@@ -1262,6 +1262,40 @@ def test_a_training_step_after_an_evaluation_that_matched_some_slots_is_planned(
     assert planned.steady_reserved_over_live <= 1.01, planned.steady_reserved_over_live
     assert planned.peak_reserved_bytes <= vmm.peak_reserved_bytes
 
+def _calls(r):
+    s = r.stats()
+    return s["num_device_alloc"] + s["num_device_free"]
+
+
+def test_a_plan_left_mid_step_takes_its_arena_back():
+    """A step that begins as the planned one does and leaves it a third into its forward pass:
+    the plan disarms with its first blocks alive in the arena, and the arena is retired into
+    the pool (which must not grow around free space it cannot use). Once nothing is allocated
+    in it, the next arming takes it back as the arena, with the pages it kept mapped: the
+    planned step after the odd one made 1,417 page maps and unmaps in a new arena, now 268."""
+    step = make_iteration(5, scale=8)
+    k = 12  # the odd step's first requests are the planned step's; the rest are larger
+    odd = step[:k] + [(op[0], op[1], int(op[2] * 1.7) // 512 * 512, op[3]) if op[0] == "a" else op
+                      for op in step[k:]]
+    peaks = {}
+    for policy in (POLICY, "pymemplan-vmm"):
+        r = Runner(policy=policy)
+        run_prologue(r)
+        per = []
+        for i, ops in enumerate([step] * 4 + [odd] + [step] * 4):
+            before = _calls(r)
+            r.run(ops, i, check_every=17)
+            per.append(_calls(r) - before)
+        check_invariants(r.alloc, r.device, r.live)
+        peaks[policy] = r.stats()["reserved_bytes.all.peak"]
+        if policy == POLICY:
+            assert per[5] < 500 and per[-2:] == [0, 0], per
+            ps = r.plan()
+            assert ps["busy_arenas_retired"] == 1 and ps["arenas_reclaimed"] == 1, ps
+            assert ps["arenas_made"] == 1, ps
+    assert peaks[POLICY] <= peaks["pymemplan-vmm"], peaks
+
+
 def test_shrinking_workload_gives_memory_back():
     """After a bigger shape, a smaller one that repeats: once its plan serves and the bigger
     shape's plan last served some of its periods ago, the pool's unused pages go back, so

@@ -2151,12 +2151,39 @@ void CachingAllocator::retire_arena(std::uintptr_t arena) {
   }
 }
 
+std::size_t CachingAllocator::reclaim_arena(std::uintptr_t addr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = segments_.find(addr);
+  if (it == segments_.end()) return 0;
+  Segment* seg = it->second;
+  if (seg->arena || !seg->vmm || seg->small || seg->shared_pages != 0) return 0;
+  std::vector<Block*> listed;
+  for (Block* b = seg->head; b != nullptr; b = b->next) {
+    if (!b->is_free() || b->claimed) return 0;
+    if (b->listed) listed.push_back(b);
+  }
+  for (Block* b : listed) erase_free(b);
+  seg->arena = true;
+  for (Block* b : listed) insert_free(b);
+  return seg->size;
+}
+
 std::size_t CachingAllocator::arena_mapped(std::uintptr_t arena) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = segments_.find(arena);
   if (it == segments_.end() || !it->second->arena) return 0;
   const Segment* seg = it->second;
   return seg->vmm ? seg->mapped * device_->granularity() : seg->size;
+}
+
+std::size_t CachingAllocator::arena_busy_bytes(std::uintptr_t arena) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Segment* seg = arena_segment(arena);
+  std::size_t bytes = 0;
+  for (const Block* b = seg->head; b != nullptr; b = b->next) {
+    if (!b->is_free()) bytes += b->size;
+  }
+  return bytes;
 }
 
 bool CachingAllocator::arena_in_use(std::uintptr_t arena) const {

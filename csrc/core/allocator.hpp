@@ -144,10 +144,16 @@ class CachingAllocator : public LockedAllocator {
   // The arena becomes an ordinary segment: its free space serves best fit, and it goes back
   // to the device once wholly free (at once if it is now).
   void retire_arena(std::uintptr_t arena);
+  // A segment retired from being an arena (retire_arena) becomes the arena again, with the
+  // pages it still has mapped, if nothing is allocated in it: returns its size, or 0 where it
+  // is gone, in use or not a virtual segment.
+  std::size_t reclaim_arena(std::uintptr_t addr);
   // Bytes of the arena's pages that are mapped (its size without vmm); 0 for no arena.
   std::size_t arena_mapped(std::uintptr_t arena) const;
   // Whether an allocated block (or one waiting on events) lies in the arena.
   bool arena_in_use(std::uintptr_t arena) const;
+  // Bytes of the arena's blocks that are allocated or wait on events.
+  std::size_t arena_busy_bytes(std::uintptr_t arena) const;
   // Gives back to the device what no live block uses: the unused pages of virtual segments
   // (in `arena`, only those from `arena_keep` bytes on) and the wholly free segments. Streams
   // that freed the memory are synchronized first. Returns the bytes given back. With `want`,

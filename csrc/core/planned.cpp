@@ -403,6 +403,7 @@ bool PlannedAllocator::owns(const void* ptr) const { return pool_->owns(ptr); }
 void PlannedAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   pool_->empty_cache();  // pending frees complete first
+  lent_arena_ = 0;  // gone back with the pool's free segments, if it was free
   if (arena_ != 0 && !pool_->arena_in_use(arena_)) {
     // Idle: it becomes a segment of the pool and goes back too (a new one is made when a
     // plan arms again).
@@ -469,6 +470,8 @@ std::vector<std::pair<std::string, double>> PlannedAllocator::plan_stats() const
   put("full_rearms", num(full_rearms_));
   put("first_request_cuts", num(first_request_cuts_));
   put("busy_arenas_retired", num(busy_arenas_retired_));
+  put("arenas_made", num(arenas_made_));
+  put("arenas_reclaimed", num(arenas_reclaimed_));
   put("mid_pass_arms", num(mid_pass_arms_));
   put("marks", num(marks_));
   put("plans_imported", num(imported_));
@@ -1257,6 +1260,7 @@ void PlannedAllocator::retire_busy_arena() {
   // shape mid-iteration). Its free space joins the pool instead.
   if (arena_ != 0 && config_.pool.vmm && pool_->arena_in_use(arena_)) {
     pool_->retire_arena(arena_);
+    lent_arena_ = arena_;
     arena_ = 0;
     arena_size_ = 0;
     ++busy_arenas_retired_;
@@ -1603,6 +1607,18 @@ bool PlannedAllocator::arm(int v) {
   if (loaded_arena_ != 0) return false;
   const bool after_prologue = prologue_hits_ != 0 && armed_footprint_ == 0;
   pool_->unclaim_all();  // holes of an earlier arming are free space again
+  if (arena_ == 0 && lent_arena_ != 0 && config_.pool.vmm) {
+    // The arena retired with live blocks (retire_busy_arena) is the arena again once nothing
+    // is allocated in it, with the pages it still has mapped: a new one would map them all
+    // again.
+    const std::size_t size = pool_->reclaim_arena(lent_arena_);
+    if (size != 0) {
+      ++arenas_reclaimed_;
+      arena_ = lent_arena_;
+      arena_size_ = size;
+      lent_arena_ = 0;
+    }
+  }
   // What the pool holds beyond its live blocks goes back (and the arena's pages beyond what
   // this plan needs), so that the steady state holds live pool blocks plus the arena.
   if (!p.packed[0] && !p.packed[1]) refresh(p);
@@ -1767,7 +1783,11 @@ bool PlannedAllocator::arm(int v) {
     pool_->trim(arena_, need, above_floor());
   }
   if (arena_ == 0) {
-    const std::size_t bytes = config_.pool.vmm ? std::max(need, config_.pool.vmm_segment) : need;
+    // With virtual memory an arena's address range holds every plan the device could: address
+    // space costs nothing, and a plan larger than the arena needs a new one, into which every
+    // page moves (unmapped from the old range, mapped in the new): where shapes vary, a plan
+    // of a longer sequence moved thousands of pages each time it followed a shorter one.
+    const std::size_t bytes = config_.pool.vmm ? std::max({need, config_.pool.vmm_segment, device_->capacity()}) : need;
     try {
       arena_ = pool_->create_arena(bytes);
     } catch (const DeviceError&) {
@@ -1775,6 +1795,7 @@ bool PlannedAllocator::arm(int v) {
     }
     if (arena_ == 0) return false;
     arena_size_ = round_up(bytes, page());
+    ++arenas_made_;
   }
   if (share) {
     // The plan's holes avoid what sharing takes. A driver error, or a pair no longer valid,
@@ -2341,7 +2362,13 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   if (index != active_) {
     // Leaving a plan mid-iteration (a new plan was found, another one recognised): its
     // blocks alive in the arena must not make the pool grow around the arena's free space.
-    retire_busy_arena();
+    // But a plan recognised by its first requests arms in the arena at once (below), and the
+    // few blocks alive there (the last pass's, the first requests of this one) only keep
+    // their ranges from it: retired, its every page would move to a new arena.
+    if (arena_ != 0 && (!arms_at_once(index, cursor) ||
+                        pool_->arena_busy_bytes(arena_) * kArmShare > plans_[index].bound[0])) {
+      retire_busy_arena();
+    }
     stop_serving();
   }
   active_ = index;
@@ -2363,12 +2390,17 @@ void PlannedAllocator::adopt(std::size_t index, std::size_t cursor) {
   // step, and that of a cycle of steps and an evaluation, which begins with one) it waits for
   // its cut: armed at once there, on the 300 evaluation loops of alloc_random it held a page
   // more than the run's own plans on 41 of them.
+  if (!armed_ && arms_at_once(index, cursor)) {
+    set_skip(p, kPrefix);
+    if (!arm(1)) retire_busy_arena();
+  }
+}
+
+bool PlannedAllocator::arms_at_once(std::size_t index, std::size_t cursor) const {
+  const Plan& p = plans_[index];
   const bool alone = std::count_if(plans_.begin(), plans_.end(),
                                    [&](const Plan& q) { return q.prefix == p.prefix; }) == 1;
-  if (!armed_ && cursor == kPrefix && (!p.imported || (p.validated && alone))) {
-    set_skip(p, kPrefix);
-    arm(1);
-  }
+  return cursor == kPrefix && (!p.imported || (p.validated && alone));
 }
 
 }  // namespace pymemplan

@@ -110,10 +110,15 @@
 //   wrong period): they would take the cursor from the iteration's plan while it waits for its
 //   cut. A plan seen again is recognised by its signature and not re-packed. A plan armed by
 //   its first requests (variant 1) arms with its whole layout (variant 0) at its cut. One
-//   arena serves every plan (a plan needing more than its size gets a new one; the old one is
-//   retired into the pool). With virtual memory, an arena whose blocks are alive when its
-//   plan is left (disarmed, or another plan adopted mid-iteration) is retired into the pool
-//   too, so that the pool does not grow around free space it cannot use.
+//   arena serves every plan. With virtual memory its address range is the device's memory,
+//   so that every plan fits (a new range would move every mapped page into it); without, it
+//   is a segment of the plan's size (a larger plan gets a new one, the old one is retired into
+//   the pool). With virtual memory, an arena whose blocks are alive when its plan is left
+//   (disarmed, or another plan adopted mid-iteration) is retired into the pool too, so that
+//   the pool does not grow around free space it cannot use, and taken back as the arena at
+//   the next arming if nothing is allocated in it by then, its pages still mapped; not for a
+//   plan recognised by its first requests, which arms in it at once beside the few blocks
+//   alive there (at most 1/32 of its bound).
 // - Without virtual memory (vmm:False), the arena is a device segment of the plan's size and
 //   trimming can only return wholly free segments of the pool.
 // - Plans across runs (export_plans / import_plans): the plans that armed, as text, with the
@@ -467,6 +472,8 @@ class PlannedAllocator : public Allocator {
   // now: their slots get blocks. Only while the plan's window is in the history.
   void refresh(Plan& p);
   void adopt(std::size_t plan_index, std::size_t cursor);
+  // Whether adopting the plan at this cursor arms it at once (recognised by its first requests).
+  bool arms_at_once(std::size_t plan_index, std::size_t cursor) const;
   // The prologue of this run (export_plans()): recording stops here, and blocks still alive
   // live to its end.
   void close_prologue();
@@ -528,6 +535,9 @@ class PlannedAllocator : public Allocator {
   bool mid_pass_ = false;  // serving the rest of the pass a plan armed in (arm_mid_pass())
   std::uintptr_t arena_ = 0;         // the pool's arena segment (0: none)
   std::size_t arena_size_ = 0;
+  // The last arena retired with live blocks (retire_busy_arena): taken back as the arena at
+  // the next arming if nothing is allocated in it by then, with the pages it kept mapped.
+  std::uintptr_t lent_arena_ = 0;
   std::unordered_map<std::uintptr_t, Live> live_;
 
   // The prologue: this run's (recorded), and one imported (served).
@@ -578,6 +588,8 @@ class PlannedAllocator : public Allocator {
   std::uint64_t full_rearms_ = 0;     // plans armed by their first requests, then whole (boundary())
   std::uint64_t first_request_cuts_ = 0;  // passes started by the plan's first request after a divergence
   std::uint64_t busy_arenas_retired_ = 0;  // arenas retired into the pool with live blocks
+  std::uint64_t arenas_made_ = 0;          // address ranges reserved for plans
+  std::uint64_t arenas_reclaimed_ = 0;     // retired arenas taken back (lent_arena_)
   std::uint64_t mid_pass_arms_ = 0;  // fresh plans armed a little way into a pass (arm_mid_pass())
   double last_ratio_ = 0.0, last_coverage_ = 0.0;
   std::size_t last_bound_ = 0, last_arena_ = 0, last_period_ = 0;
