@@ -1905,8 +1905,9 @@ def test_periodic_fuzz_serves_arena_and_holes_without_a_violation(seed, streams,
     assert r["mallocs"] - r["ooms"] == r["frees"] > 0  # all freed at the end
     assert r["plan_hits"] > 0 and r["plan_hole_hits"] > 0, r
     # Plans armed by their first requests then armed whole, and arenas retired into the pool
-    # with live blocks, happened under the checks too.
+    # with live blocks and taken back as the arena later, happened under the checks too.
     assert r["plan_full_rearms"] > 0 and r["plan_busy_arenas_retired"] > 0, r
+    assert r["plan_arenas_reclaimed"] > 0, r
     if streams == 3:  # and passes started by a plan's first request after a divergence at its cut
         assert r["plan_first_request_cuts"] > 0, r
 

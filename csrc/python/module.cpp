@@ -373,6 +373,7 @@ PYBIND11_MODULE(_core, m) {
         d["plan_full_rearms"] = r.plan_full_rearms;
         d["plan_first_request_cuts"] = r.plan_first_request_cuts;
         d["plan_busy_arenas_retired"] = r.plan_busy_arenas_retired;
+        d["plan_arenas_reclaimed"] = r.plan_arenas_reclaimed;
         d["plan_hole_hits"] = r.plan_hole_hits;
         d["page_shares"] = r.page_shares;
         d["plans_imported"] = r.plans_imported;

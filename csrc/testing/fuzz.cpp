@@ -93,6 +93,7 @@ class Fuzzer {
         if (k == "full_rearms") r_.plan_full_rearms = static_cast<std::uint64_t>(v);
         if (k == "first_request_cuts") r_.plan_first_request_cuts = static_cast<std::uint64_t>(v);
         if (k == "busy_arenas_retired") r_.plan_busy_arenas_retired = static_cast<std::uint64_t>(v);
+        if (k == "arenas_reclaimed") r_.plan_arenas_reclaimed = static_cast<std::uint64_t>(v);
       }
     }
     return r_;

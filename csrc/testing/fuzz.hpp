@@ -51,6 +51,7 @@ struct FuzzReport {
   std::uint64_t plan_full_rearms = 0;      // plans armed by their first requests, then whole
   std::uint64_t plan_first_request_cuts = 0;  // passes started by a plan's first request after a divergence
   std::uint64_t plan_busy_arenas_retired = 0;  // arenas retired into the pool with live blocks
+  std::uint64_t plan_arenas_reclaimed = 0;     // of those, taken back as the arena later
   std::uint64_t page_shares = 0;     // share_pages calls that gave pages back
   std::uint64_t bursts = 0;          // runs of allocations in live blocks' sizes (an optimizer's state)
   std::uint64_t plans_imported = 0;  // pymemplan-planned: of FuzzOptions::plans
