@@ -1147,6 +1147,12 @@ bool PlannedAllocator::boundary(bool arm_now) {
     // that just ended knows them all: make the plan again from it, and arm it now.
     make_again(p.period);
     ++refinements_;
+    // Blocks of the pass that live across its cut are not freed yet, so their lifetimes are
+    // known only from the pass before, one period back; where steps of other shapes come
+    // between, that pass is another shape's, and the plan made again lacks them as the first
+    // did: a plan of one batch size, taking turns with two others, left its 148 gradients to
+    // the pool at every step and was made again at each. Its next arming looks them up.
+    plans_[active_].refresh_at_arming = true;
   }
   pool_pass_ = !armed_ && pass_start != kNever && pass >= p.period;  // read by arm()
   if (arm_now) arm_at_cut();
@@ -1209,9 +1215,9 @@ void PlannedAllocator::arm_at_cut() {
   }
 }
 
-void PlannedAllocator::refresh(Plan& p) {
+bool PlannedAllocator::refresh(Plan& p) {
   const std::uint64_t n = p.built_at;
-  if (n < base_ + p.period) return;  // the window left the history
+  if (n < base_ + p.period) return false;  // the window left the history
   std::vector<std::size_t> lifetimes;
   coverage(n, p.period, &lifetimes);
   bool changed = false;
@@ -1232,6 +1238,7 @@ void PlannedAllocator::refresh(Plan& p) {
     p.bound[0] = live_bound(p.blocks, p.period);
     p.bound[1] = 0;
   }
+  return changed;
 }
 
 void PlannedAllocator::stop_serving() {
@@ -1621,7 +1628,11 @@ bool PlannedAllocator::arm(int v) {
   }
   // What the pool holds beyond its live blocks goes back (and the arena's pages beyond what
   // this plan needs), so that the steady state holds live pool blocks plus the arena.
-  if (!p.packed[0] && !p.packed[1]) refresh(p);
+  if (!p.packed[0] && !p.packed[1]) {
+    refresh(p);
+  } else if (p.refresh_at_arming && refresh(p)) {
+    unpack(p);  // its layouts lack the blocks whose lifetimes are known now: packed again below
+  }
   if (p.bound[v] == 0) p.bound[v] = live_bound(variant_blocks(p, v, nullptr), p.period);
   const std::size_t at_least = round_up(p.bound[v], page());
   const std::size_t keep = p.packed[v] ? round_up(p.arena[v], page()) : at_least;
@@ -2267,6 +2278,20 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   if (config_.pool.vmm && !armed_ && cursor != 0 && now <= std::min(kMidPassWindows * config_.match_window, period / kMidPassShare) &&
       worth_an_arena(fresh)) {
     arm_mid_pass(fresh, cursor, n, replaces);
+  }
+}
+
+void PlannedAllocator::unpack(Plan& p) {
+  for (int v = 0; v < 2; ++v) {
+    p.packed[v] = p.holes[v] = false;
+    p.arena[v] = p.hole_cost[v] = 0;
+    p.holes_key[v] = 0;
+    p.refused_at[v] = -1;
+    p.claims[v].clear();
+  }
+  for (Slot& slot : p.slots) {
+    slot.offset[0] = slot.offset[1] = kNoOffset;
+    slot.hole[0] = slot.hole[1] = 0;
   }
 }
 

@@ -335,6 +335,9 @@ class PlannedAllocator : public Allocator {
     // Made again from a pass (remake or refinement, boundary()), it would have held more than
     // its layout did over that pass: it keeps its layout and is not made again.
     bool keep_layout = false;
+    // Made again from a pass (a refinement) whose blocks living across its cut had no known
+    // lifetime: refresh() looks them up at its next arming, and its layouts are made again.
+    bool refresh_at_arming = false;
     std::int64_t refused_at[2] = {-1, -1};  // per variant: arming refused at this highest reserved
     // Dropped after a pass took more than it was accepted against (boundary()), at this
     // highest reserved: until that rises, it may arm once more, after the pool's next pass,
@@ -469,8 +472,11 @@ class PlannedAllocator : public Allocator {
   // Makes the active plan again from the last `period` events (the pass that just ended).
   void refine(std::size_t period);
   // Lifetimes unknown when the plan was made (allocations still alive then) that are known
-  // now: their slots get blocks. Only while the plan's window is in the history.
-  void refresh(Plan& p);
+  // now: their slots get blocks. Only while the plan's window is in the history. True if any
+  // did.
+  bool refresh(Plan& p);
+  // Forgets p's packings (both variants): they are made again when it next arms.
+  void unpack(Plan& p);
   void adopt(std::size_t plan_index, std::size_t cursor);
   // Whether adopting the plan at this cursor arms it at once (recognised by its first requests).
   bool arms_at_once(std::size_t plan_index, std::size_t cursor) const;
