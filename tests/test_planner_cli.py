@@ -99,13 +99,18 @@ def test_import_pymemplan_does_not_import_torch():
     assert out.returncode == 0, out.stderr
 
 
+def _refused_by_the_parser(argv, message, capsys):
+    """argparse's refusal: exit status 2, with `message` in what it prints."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value, message", [("3", "not in (0, 1]"), ("1/0", "not a number"),
                                             ("lots", "not a number")])
 def test_nonzero_density_option_rejects_what_is_not_a_share(value, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["trace", "mlp", "--nonzero-density", value])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    _refused_by_the_parser(["trace", "mlp", "--nonzero-density", value], message, capsys)
 
 
 def test_nonzero_density_option_sizes_masks(tmp_path, capsys):
@@ -182,10 +187,7 @@ def test_trace_reserved_bad_arguments(argv, message, capsys):
 
 @pytest.mark.parametrize("value, message", [("64,x", "not a list of lengths"), ("64,0", "must be positive")])
 def test_run_seq_lens_rejects_what_is_not_lengths(value, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["trace", "gpt2", "--reserved", "--run-seq-lens", value])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    _refused_by_the_parser(["trace", "gpt2", "--reserved", "--run-seq-lens", value], message, capsys)
 
 
 def test_run_seq_lens_on_a_model_file_without_a_length_is_an_error(tmp_path, capsys):
