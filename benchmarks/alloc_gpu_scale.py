@@ -6,17 +6,17 @@ is a model at a batch size that fills 6 to 65 GiB, traced by the planner under f
 (`pymemplan.trace(..., device="cuda")`: CUDA's sizes, no memory) and run for STEPS steps under
 AdamW (the first one makes the optimizer's state, as `MemoryTrace.reserved_peak`'s run does; in
 four of them the sequence length or the batch changes from step to step, a run made by
-`pymemplan.planner.run_trace`), then replayed through every policy on a simulated 80 GiB device
-with 2 MiB pages. Reported per workload and
-policy:
+`pymemplan.planner.run_trace`, and four more run those for LONG steps in an order drawn at
+random, as a loader that buckets by length serves them), then replayed through every policy on
+a simulated 80 GiB device with 2 MiB pages. Reported per workload and policy:
 - peak reserved over peak live, over the run and in the steady state (from the first request
   a plan served, as in alloc_replay.py);
 - driver calls per step (segments or pages mapped and unmapped: on a GPU each page map or unmap
   is a driver call with some synchronous work, and PyTorch's allocator makes none once warm),
-  and their mean over the last LAST steps;
+  and their mean over the last third of the steps (at least the last LAST);
 - pymemplan-planned's planning time, and the offline bound (every block placed knowing the run).
 
-    python benchmarks/alloc_gpu_scale.py              # about 2 minutes
+    python benchmarks/alloc_gpu_scale.py              # about 3 minutes
     python benchmarks/alloc_gpu_scale.py --only gpt2_b12 bert_b32
 
 Writes benchmarks/results/alloc_gpu_scale.json. A predicted run is not a recorded one: it has
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ RESULT = HERE / "results" / "alloc_gpu_scale.json"
 POLICIES = ("torch", "torch=expandable_segments:True", "gmlake", "pymemplan", "pymemplan-vmm",
             "pymemplan-planned")
 STEPS = 8
-LAST = 3  # steady driver calls: the mean over the last LAST steps
+LONG = 24  # steps of the runs whose shapes come in a random order
+LAST = 3  # steady driver calls: the mean over the last third of the steps, at least LAST
 CAPACITY = 80 << 30
 GiB = 1 << 30
 SHORT = {"torch=expandable_segments:True": "expandable", "pymemplan-vmm": "vmm",
@@ -55,6 +57,12 @@ class GpuWorkload:
     autocast: str | None = None  # "bfloat16"
     description: str = ""
     shapes: tuple | None = None  # each step's shape (sequence length, batch); None: one shape
+    steps: int = STEPS
+
+
+def warm_steps(steps: int) -> int:
+    """How many of the last steps the steady driver calls are the mean of."""
+    return max(LAST, steps // 3)
 
 
 def _vision(name: str, batch: int | None = None):
@@ -69,7 +77,17 @@ def workloads() -> dict[str, GpuWorkload]:
     def w(name, build, autocast=None, description="", shapes=None):
         return name, GpuWorkload(name, build, autocast, description, shapes)
 
-    return dict([
+    def long(name_and_workload):
+        # The same shapes over LONG steps, each drawn at random (seeded by the name): the
+        # steady state of a loader that buckets by length, past the shapes' first steps.
+        name, base = name_and_workload
+        rng = random.Random(name)
+        drawn = tuple(rng.choice(sorted(set(base.shapes))) for _ in range(LONG))
+        return (f"{name}_long", GpuWorkload(f"{name}_long", base.build, base.autocast,
+                                            f"{base.description}, {LONG} steps in a random order",
+                                            drawn, LONG))
+
+    single = [
         w("gpt2_b8", lambda: m.gpt2(batch=8), None, "GPT-2 small, 8 x 1024"),
         w("gpt2_b12", lambda: m.gpt2(batch=12), None, "GPT-2 small, 12 x 1024"),
         w("gpt2_b16_bf16", lambda: m.gpt2(batch=16), "bfloat16", "GPT-2 small, 16 x 1024, bf16 autocast"),
@@ -90,8 +108,10 @@ def workloads() -> dict[str, GpuWorkload]:
         w("effnet_b0_b128", _vision("efficientnet_b0", 128), None, "EfficientNet-B0, 128 images"),
         w("swin_t_b64", _vision("swin_t", 64), None, "Swin-T, 64 images"),
         w("mlp_b4096", lambda: m.mlp(batch=4096, width=4096), None, "24-layer MLP, width 4096, batch 4096"),
-        # Steps of several shapes, as a loader that buckets by length (or the last, short
-        # batch of an epoch) makes them: where PyTorch's allocator fragments most.
+    ]
+    # Steps of several shapes, as a loader that buckets by length (or the last, short batch of
+    # an epoch) makes them: where PyTorch's allocator fragments most.
+    varying = [
         w("bert_b32_varlen", lambda seq: m.bert(batch=32, seq_len=seq), None,
           "BERT-base, batch 32, sequence lengths 128 to 512", (256, 512, 128, 384, 512, 256, 384, 128)),
         w("gpt2_b8_varlen", lambda seq: m.gpt2(batch=8, seq_len=seq), None,
@@ -101,18 +121,20 @@ def workloads() -> dict[str, GpuWorkload]:
           (1024, 2048, 512, 1536, 2048, 1024, 1536, 512)),
         w("vit_b_16_varbatch", _vision("vit_b_16"), None, "ViT-B/16, batches of 32 to 64 images",
           (64, 48, 32, 64, 48, 32, 64, 48)),
-    ])
+    ]
+    return dict(single + varying + [long(x) for x in varying])
 
 
-def predicted_run(workload: GpuWorkload, steps: int = STEPS):
-    """The planner's allocation trace of `steps` training steps with AdamW, on CUDA (the
-    workload's shapes, one per step, where it has them)."""
+def predicted_run(workload: GpuWorkload, steps: int | None = None):
+    """The planner's allocation trace of `steps` (default: the workload's) training steps with
+    AdamW, on CUDA (the workload's shapes, one per step, where it has them)."""
     import torch
 
     import pymemplan
     from pymemplan.planner import run_trace
 
     autocast = getattr(torch, workload.autocast) if workload.autocast else None
+    steps = steps or workload.steps
     shapes = workload.shapes[:steps] if workload.shapes else (None,) * steps
     traced = {}
     for shape in dict.fromkeys(shapes):
@@ -163,7 +185,7 @@ def measure(workload: GpuWorkload) -> dict:
     results = {r.policy: r for r in replay(run, POLICIES, capacity=CAPACITY, granularity="2MiB")}
     live = results[POLICIES[0]].peak_live_bytes
     row = {"workload": workload.name, "description": workload.description, "events": len(run),
-           "steps": STEPS, "peak_live_bytes": live, "trace_seconds": round(traced_s, 2),
+           "steps": workload.steps, "peak_live_bytes": live, "trace_seconds": round(traced_s, 2),
            "offline_over_live": offline_layout(run, "2MiB").peak_reserved_bytes / live,
            "policies": {}}
     for policy in POLICIES:
@@ -174,7 +196,7 @@ def measure(workload: GpuWorkload) -> dict:
                  "peak_reserved_bytes": r.peak_reserved_bytes,
                  "steady_peak_reserved_bytes": r.steady_peak_reserved_bytes,
                  "ooms": r.ooms, "calls_per_step": counts,
-                 "steady_calls_per_step": sum(counts[-LAST:]) / LAST}
+                 "steady_calls_per_step": sum(counts[-warm_steps(len(counts)):]) / warm_steps(len(counts))}
         if stats:
             entry["planning_seconds"] = stats["pack_seconds"]
             entry["plans_armed"] = stats["arms"]

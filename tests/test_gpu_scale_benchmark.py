@@ -12,7 +12,7 @@ import torch
 import pymemplan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from alloc_gpu_scale import GpuWorkload, calls_per_step, predicted_run, verdicts  # noqa: E402
+from alloc_gpu_scale import GpuWorkload, calls_per_step, predicted_run, verdicts, workloads  # noqa: E402
 
 from pymemplan.planner import models  # noqa: E402
 from pymemplan.traces import replay  # noqa: E402
@@ -136,14 +136,12 @@ def test_a_plan_made_again_before_its_blocks_are_freed_learns_them_at_its_next_a
     size's, so the plan made again lacked them as well, left them to the pool at every step it
     served, and was made again at each, its layout moving pages (14,014 page maps and unmaps
     over the second half). Its next arming now looks their lifetimes up, since freed."""
-    shapes = (32, 48, 48, 64, 32, 32, 32, 48, 48, 48, 48, 48, 64, 32, 64, 64, 48, 32, 32, 32,
-              32, 64, 64, 48)
-    w = GpuWorkload("vit_varbatch", lambda batch: models._torchvision("vit_b_16", batch, "meta"),
-                    shapes=shapes)
-    run = predicted_run(w, steps=len(shapes))
+    w = workloads()["vit_b_16_varbatch_long"]  # the benchmark's run of 24 drawn batch sizes
+    assert w.steps == 24 and set(w.shapes) == {32, 48, 64}
+    run = predicted_run(w)
     counts, stats = calls_per_step(run, "pymemplan-planned")
     vmm, _ = calls_per_step(run, "pymemplan-vmm")
-    half = len(shapes) // 2
+    half = w.steps // 2
     assert sum(counts[half:]) <= 1.5 * sum(vmm[half:]), (counts, vmm)  # 14,014 against 2,572
     (planned, pool) = replay(run, ["pymemplan-planned", "pymemplan-vmm"])
     assert planned.peak_reserved_bytes <= pool.peak_reserved_bytes
