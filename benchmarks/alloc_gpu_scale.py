@@ -191,12 +191,13 @@ def measure(workload: GpuWorkload) -> dict:
     for policy in POLICIES:
         r = results[policy]
         counts, stats = calls_per_step(run, policy)
+        warm = warm_steps(len(counts))
         entry = {"reserved_over_live": r.reserved_over_live,
                  "steady_reserved_over_live": r.steady_reserved_over_live,
                  "peak_reserved_bytes": r.peak_reserved_bytes,
                  "steady_peak_reserved_bytes": r.steady_peak_reserved_bytes,
                  "ooms": r.ooms, "calls_per_step": counts,
-                 "steady_calls_per_step": sum(counts[-warm_steps(len(counts)):]) / warm_steps(len(counts))}
+                 "steady_calls_per_step": sum(counts[-warm:]) / warm}
         if stats:
             entry["planning_seconds"] = stats["pack_seconds"]
             entry["plans_armed"] = stats["arms"]

@@ -34,7 +34,9 @@ def test_trace_table_plot_and_autocast(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_trace_user_factory(tmp_path, capsys):
+@pytest.fixture
+def small_model_file(tmp_path):
+    """A model file of the user's: build(batch) -> model, inputs, loss; it takes no length."""
     f = tmp_path / "mymodel.py"
     f.write_text(
         "import torch\n"
@@ -42,6 +44,11 @@ def test_trace_user_factory(tmp_path, capsys):
         "    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),\n"
         "                                torch.nn.Linear(16, 1))\n"
         "    return model, (torch.randn(batch, 16),), lambda out: out.pow(2).mean()\n")
+    return f
+
+
+def test_trace_user_factory(small_model_file, capsys):
+    f = small_model_file
     rc = main(["trace", f"{f}:build", "--batch", "3", "--device", "cpu", "--json"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
@@ -190,14 +197,8 @@ def test_run_seq_lens_rejects_what_is_not_lengths(value, message, capsys):
     _refused_by_the_parser(["trace", "gpt2", "--reserved", "--run-seq-lens", value], message, capsys)
 
 
-def test_run_seq_lens_on_a_model_file_without_a_length_is_an_error(tmp_path, capsys):
+def test_run_seq_lens_on_a_model_file_without_a_length_is_an_error(small_model_file, capsys):
     """Every step would be the same input: refused, not a run of one shape reported as several."""
-    f = tmp_path / "fixed.py"
-    f.write_text(
-        "import torch\n"
-        "def build(batch=2):\n"
-        "    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),\n"
-        "                                torch.nn.Linear(16, 1))\n"
-        "    return model, (torch.randn(batch, 16),), lambda out: out.pow(2).mean()\n")
+    f = small_model_file
     assert main(["trace", f"{f}:build", "--reserved", "--run-seq-lens", "8,16"]) == 2
     assert "takes no seq_len= argument" in capsys.readouterr().err

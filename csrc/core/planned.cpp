@@ -1631,7 +1631,9 @@ bool PlannedAllocator::arm(int v) {
   if (!p.packed[0] && !p.packed[1]) {
     refresh(p);
   } else if (p.refresh_at_arming && refresh(p)) {
-    unpack(p);  // its layouts lack the blocks whose lifetimes are known now: packed again below
+    // Its layouts lack the blocks whose lifetimes are known now: packed again below.
+    unpack(p, 0);
+    unpack(p, 1);
   }
   if (p.bound[v] == 0) p.bound[v] = live_bound(variant_blocks(p, v, nullptr), p.period);
   const std::size_t at_least = round_up(p.bound[v], page());
@@ -2281,32 +2283,23 @@ void PlannedAllocator::build_plan(std::uint64_t n, std::size_t period,
   }
 }
 
-void PlannedAllocator::unpack(Plan& p) {
-  for (int v = 0; v < 2; ++v) {
-    p.packed[v] = p.holes[v] = false;
-    p.arena[v] = p.hole_cost[v] = 0;
-    p.holes_key[v] = 0;
-    p.refused_at[v] = -1;
-    p.claims[v].clear();
-  }
+void PlannedAllocator::unpack(Plan& p, int v) {
+  p.packed[v] = p.holes[v] = false;
+  p.arena[v] = p.hole_cost[v] = 0;
+  p.holes_key[v] = 0;
+  p.refused_at[v] = -1;
+  p.claims[v].clear();
   for (Slot& slot : p.slots) {
-    slot.offset[0] = slot.offset[1] = kNoOffset;
-    slot.hole[0] = slot.hole[1] = 0;
+    slot.offset[v] = kNoOffset;
+    slot.hole[v] = 0;
   }
 }
 
 void PlannedAllocator::set_skip(Plan& p, std::size_t skip) {
   if (p.skip == skip) return;
   p.skip = skip;
-  p.packed[1] = p.holes[1] = false;
-  p.arena[1] = p.bound[1] = p.hole_cost[1] = 0;
-  p.holes_key[1] = 0;
-  p.refused_at[1] = -1;
-  p.claims[1].clear();
-  for (Slot& slot : p.slots) {
-    slot.offset[1] = kNoOffset;
-    slot.hole[1] = 0;
-  }
+  p.bound[1] = 0;
+  unpack(p, 1);
 }
 
 void PlannedAllocator::arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n, bool replaces) {

@@ -475,8 +475,8 @@ class PlannedAllocator : public Allocator {
   // now: their slots get blocks. Only while the plan's window is in the history. True if any
   // did.
   bool refresh(Plan& p);
-  // Forgets p's packings (both variants): they are made again when it next arms.
-  void unpack(Plan& p);
+  // Forgets p's packing of variant v (offsets, holes, claims): made again when it next arms.
+  void unpack(Plan& p, int v);
   void adopt(std::size_t plan_index, std::size_t cursor);
   // Whether adopting the plan at this cursor arms it at once (recognised by its first requests).
   bool arms_at_once(std::size_t plan_index, std::size_t cursor) const;
