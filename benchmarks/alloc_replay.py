@@ -7,6 +7,7 @@ fragmentation bites: many sizes, growing then shrinking memory, two streams.
 
     python benchmarks/alloc_replay.py            # record (cached in benchmarks/traces/) + replay
     python benchmarks/alloc_replay.py --rerecord # record again
+    python benchmarks/alloc_replay.py --unseen   # workloads never tuned on (unseen_workloads.py)
 
 Each trace covers building the model and the optimizer and three to six training steps with
 Adam (parameters, gradients, optimizer state and activations all come from the allocator, as on
@@ -936,15 +937,17 @@ def workloads():
     }
 
 
-def record_traces(names, rerecord=False):
+def record_traces(names, rerecord=False, table=None, trace_dir=TRACE_DIR):
+    """Record each workload of `table` (name -> entry; workloads() by default) that has no
+    trace in `trace_dir` yet, and read them all."""
     from pymemplan.traces import read_trace, record, write_csv
 
-    TRACE_DIR.mkdir(exist_ok=True)
+    trace_dir.mkdir(parents=True, exist_ok=True)
     traces = {}
-    for name, entry in workloads().items():
+    for name, entry in (workloads() if table is None else table).items():
         if names and name not in names:
             continue
-        path = TRACE_DIR / f"{name}.csv.gz"
+        path = trace_dir / f"{name}.csv.gz"
         if rerecord or not path.exists():
             t0 = time.perf_counter()
             if isinstance(entry, Prepared):
@@ -1065,6 +1068,9 @@ def main() -> int:
     ap.add_argument("--capacity", default="80GiB")
     ap.add_argument("--timing-runs", type=int, default=3,
                     help="replays per trace and policy; ns/event is the best of them")
+    ap.add_argument("--unseen", action="store_true",
+                    help="the workloads of unseen_workloads.py, never tuned on, instead "
+                         "(writes alloc_replay_unseen.json)")
     args = ap.parse_args()
 
     from pymemplan import _core
@@ -1074,10 +1080,18 @@ def main() -> int:
     import synthetic_traces
 
     policies = available(POLICIES)
-    traces = record_traces(args.only, args.rerecord)
-    for name, make in synthetic_traces.ALL.items():
-        if not args.only or f"synthetic_{name}" in args.only:
-            traces[f"synthetic_{name}"] = make()
+    result, no_repeat = RESULT, NO_REPEATED_ITERATION
+    if args.unseen:
+        import unseen_workloads
+
+        result, no_repeat = RESULT.with_name("alloc_replay_unseen.json"), unseen_workloads.NO_REPEATED_ITERATION
+        traces = record_traces(args.only, args.rerecord, unseen_workloads.workloads(),
+                               TRACE_DIR / "unseen")
+    else:
+        traces = record_traces(args.only, args.rerecord)
+        for name, make in synthetic_traces.ALL.items():
+            if not args.only or f"synthetic_{name}" in args.only:
+                traces[f"synthetic_{name}"] = make()
     rows = []
     for name, trace in traces.items():
         trace.name = name
@@ -1223,7 +1237,7 @@ def main() -> int:
                 v["restarted_handover_over_live"] = o.get("restarted_handover_reserved_over_live")
                 v["restarted_after_trial_over_live"] = o.get("restarted_after_trial_reserved_over_live")
                 v["steady_state_reached"] = steady is not None
-                v["iterations_repeat"] = name not in NO_REPEATED_ITERATION
+                v["iterations_repeat"] = name not in no_repeat
                 # The steady-state target is for traces whose iterations repeat.
                 v["steady_target_met"] = (steady is not None and steady <= 1.01
                                           if v["iterations_repeat"] else None)
@@ -1237,8 +1251,8 @@ def main() -> int:
                                    and o["reserved_over_live"] <= 1.03
                                    and v["steady_target_met"] is not False)
             verdicts.append(v)
-    RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps({
+    result.parent.mkdir(exist_ok=True)
+    result.write_text(json.dumps({
         "command": "python benchmarks/alloc_replay.py",
         "capacity": args.capacity,
         "machine": platform.machine(),
@@ -1371,7 +1385,7 @@ def main() -> int:
                   f"(at most {max(v['over_gmlake'] for v in rows_):.3f} of it, median "
                   f"{sorted(v['over_gmlake'] for v in rows_)[len(rows_) // 2]:.3f}); runs where "
                   f"GMLake first fails on {sum(v['runs_where_gmlake_fails'] for v in rows_)}.")
-    print(f"-> {RESULT}")
+    print(f"-> {result}")
     return 0
 
 

@@ -2053,3 +2053,33 @@ def test_the_planning_scaling_benchmark_measures_a_recorded_deep_model(tmp_path,
     assert turns["packings_reused"] >= 1, turns
     assert turns["planned_reserved_over_live"] <= turns["vmm_reserved_over_live"], turns
 
+
+
+def test_the_benchmark_records_a_table_of_workloads_once_into_its_folder(tmp_path):
+    # alloc_replay.py --unseen records the workloads of unseen_workloads.py into a folder of
+    # their own, through the same record_traces() as the 63: each recorded once, then read.
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import alloc_replay
+    import unseen_workloads
+
+    runs = []
+
+    def step():
+        runs.append(1)
+        x = torch.ones(1024, 256)
+        (x @ x.t()).sum()
+
+    traces = alloc_replay.record_traces(None, table={"tiny": step}, trace_dir=tmp_path / "unseen")
+    assert (tmp_path / "unseen" / "tiny.csv.gz").exists() and len(runs) == 1
+    assert traces["tiny"].peak_live_bytes() >= 1024 * 256 * 4 + 1024 * 1024 * 4
+    again = alloc_replay.record_traces(None, table={"tiny": step}, trace_dir=tmp_path / "unseen")
+    assert len(runs) == 1  # read from the folder, not recorded again
+    assert again["tiny"].size.tolist() == traces["tiny"].size.tolist()
+    # The unseen set is a table of the same kind, and its workloads are not among the 63.
+    names = set(unseen_workloads.workloads())
+    assert len(names) == 7 and not names & set(alloc_replay.workloads())
+    assert unseen_workloads.NO_REPEATED_ITERATION <= names
