@@ -14,7 +14,9 @@ Each brings a pattern none of the 63 has:
   so no two steps need to allocate the same sequence;
 - curriculum_gpt2: GPT-2 trained on sequences that grow (64, 64, 128, 128, 256, 256 tokens);
 - mixer_ckpt: an MLP-Mixer with every block checkpointed (`torch.utils.checkpoint`, not
-  reentrant), Adam;
+  reentrant), Adam; mixer_ckpt_dict: the same model written as notebooks often do (each block
+  a ModuleDict, the checkpointed function a closure), whose allocation sequence differs in its
+  details;
 - phi_bf16_clip: Phi under bf16 autocast with gradient clipping, AdamW;
 - effnet_b1_cl: EfficientNet-B1 in channels-last memory format, SGD with Nesterov momentum;
 - mistral_smooth: Mistral (grouped-query attention, a sliding window) with a label-smoothed loss
@@ -137,6 +139,41 @@ def _mixer():
                                                      torch.randint(0, 10, (32,))), 5)
 
 
+def _mixer_dict():
+    # The same Mixer as _mixer(), each block a ModuleDict and the checkpointed function a
+    # closure over it, as notebooks often write it: the same layers and tensor sizes, an
+    # allocation sequence that differs in its details.
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Mixer(nn.Module):
+        def __init__(self, depth=6, width=256, tokens=64):
+            super().__init__()
+            self.patch = nn.Conv2d(3, width, 8, 8)
+            self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+                n1=nn.LayerNorm(width),
+                tok=nn.Sequential(nn.Linear(tokens, 256), nn.GELU(), nn.Linear(256, tokens)),
+                n2=nn.LayerNorm(width),
+                ch=nn.Sequential(nn.Linear(width, 1024), nn.GELU(), nn.Linear(1024, width))))
+                for _ in range(depth))
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x):
+            h = self.patch(x).flatten(2).transpose(1, 2)
+            for b in self.blocks:
+                def f(h, b=b):
+                    h = h + b["tok"](b["n1"](h).transpose(1, 2)).transpose(1, 2)
+                    return h + b["ch"](b["n2"](h))
+                h = checkpoint(f, h, use_reentrant=False)
+            return self.head(h.mean(1))
+
+    return _loop(Mixer, lambda p: torch.optim.Adam(p, 1e-3),
+                 lambda model, step: F.cross_entropy(model(torch.randn(32, 3, 64, 64)),
+                                                     torch.randint(0, 10, (32,))), 5)
+
+
 def _phi():
     import torch
     from transformers import PhiConfig, PhiForCausalLM
@@ -185,6 +222,7 @@ def workloads():
         "layerdrop_enc": _layerdrop(),
         "curriculum_gpt2": _curriculum(),
         "mixer_ckpt": _mixer(),
+        "mixer_ckpt_dict": _mixer_dict(),
         "phi_bf16_clip": _phi(),
         "effnet_b1_cl": _effnet_channels_last(),
         "mistral_smooth": _mistral(),
