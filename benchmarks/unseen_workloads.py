@@ -104,10 +104,17 @@ def _curriculum():
                  lambda p: torch.optim.AdamW(p, 1e-4), loss, len(lengths))
 
 
-def _mixer():
+def _mixer_loop(model_class):
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
+
+    return _loop(model_class, lambda p: torch.optim.Adam(p, 1e-3),
+                 lambda model, step: F.cross_entropy(model(torch.randn(32, 3, 64, 64)),
+                                                     torch.randint(0, 10, (32,))), 5)
+
+
+def _mixer():
+    import torch.nn as nn
     from torch.utils.checkpoint import checkpoint
 
     class Block(nn.Module):
@@ -134,18 +141,14 @@ def _mixer():
                 h = checkpoint(block, h, use_reentrant=False)
             return self.head(h.mean(1))
 
-    return _loop(Mixer, lambda p: torch.optim.Adam(p, 1e-3),
-                 lambda model, step: F.cross_entropy(model(torch.randn(32, 3, 64, 64)),
-                                                     torch.randint(0, 10, (32,))), 5)
+    return _mixer_loop(Mixer)
 
 
 def _mixer_dict():
     # The same Mixer as _mixer(), each block a ModuleDict and the checkpointed function a
     # closure over it, as notebooks often write it: the same layers and tensor sizes, an
     # allocation sequence that differs in its details.
-    import torch
     import torch.nn as nn
-    import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
     class Mixer(nn.Module):
@@ -169,9 +172,7 @@ def _mixer_dict():
                 h = checkpoint(f, h, use_reentrant=False)
             return self.head(h.mean(1))
 
-    return _loop(Mixer, lambda p: torch.optim.Adam(p, 1e-3),
-                 lambda model, step: F.cross_entropy(model(torch.randn(32, 3, 64, 64)),
-                                                     torch.randint(0, 10, (32,))), 5)
+    return _mixer_loop(Mixer)
 
 
 def _phi():
