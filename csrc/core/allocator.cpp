@@ -1313,7 +1313,7 @@ void CachingAllocator::synchronize_epochs() {
 
 std::vector<CachingAllocator::Victim> CachingAllocator::pool_victims(
     const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi, std::size_t n,
-    const Block* extra) const {
+    const Block* extra, const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) const {
   // Best fit hands out the smallest free block that fits, from its low end: the pages it
   // reaches last, and so the ones to give back first, are the top pages of the largest free
   // blocks. Taken in address order, pages that the next requests mapped again went back (vmm
@@ -1382,6 +1382,13 @@ std::vector<CachingAllocator::Victim> CachingAllocator::pool_victims(
       const std::uintptr_t plo = seg->addr + i * page;
       if (seg->pages[i] == 0 || seg->users[i] != 0) continue;
       if (seg == keep && plo < keep_hi && keep_lo < plo + page) continue;
+      if (!also_keep.empty()) {
+        // The last range starting below the page's end is the only one that can overlap it
+        // (the ranges are sorted and disjoint).
+        auto r = std::upper_bound(also_keep.begin(), also_keep.end(), plo + page,
+                                  [](std::uintptr_t x, const auto& range) { return x <= range.first; });
+        if (r != also_keep.begin() && std::prev(r)->first + std::prev(r)->second > plo) continue;
+      }
       Victim v{b->size, plo, seg, page_idle(seg, i)};
       (v.idle ? idle : busy).push_back(v);
     }
@@ -1392,7 +1399,8 @@ std::vector<CachingAllocator::Victim> CachingAllocator::pool_victims(
 
 std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t keep_lo,
                                             std::uintptr_t keep_hi, std::size_t want, bool spare,
-                                            const Block* extra) {
+                                            const Block* extra,
+                                            const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) {
   // Unmaps pages no live block touches (but those under [keep_lo, keep_hi) of `keep`, about
   // to be used) and gives them back to the device, until `want` bytes are reclaimed. The
   // pool's segments go first, arenas last: their free pages will serve the plan again.
@@ -1405,7 +1413,7 @@ std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t 
     const std::size_t short_by = want - reclaimed;  // kNoLimit: every unused page
     const std::size_t needed = short_by / page + (short_by % page != 0);
     if (!arenas) {
-      victims = pool_victims(keep, keep_lo, keep_hi, needed, extra);
+      victims = pool_victims(keep, keep_lo, keep_hi, needed, extra, also_keep);
     } else {
       // Arenas, reached only where the pool's pages were not enough: each unused page, in the
       // pool's order.
@@ -2195,14 +2203,15 @@ bool CachingAllocator::arena_in_use(std::uintptr_t arena) const {
   return false;
 }
 
-std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep, std::size_t want) {
+std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep, std::size_t want,
+                                   const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) {
   std::lock_guard<std::mutex> lock(mutex_);
   process_events();
   const std::int64_t before = reserved_;
   const Segment* keep = nullptr;
   if (arena != 0) keep = arena_segment(arena);
   const std::uintptr_t lo = keep != nullptr ? keep->addr : 0;
-  const std::size_t got = reclaim_pages(keep, lo, lo + arena_keep, want);
+  const std::size_t got = reclaim_pages(keep, lo, lo + arena_keep, want, false, nullptr, also_keep);
   if (want == kNoLimit) {
     release_cached(kNoLimit);
   } else if (got < want) {

@@ -158,8 +158,10 @@ class CachingAllocator : public LockedAllocator {
   // (in `arena`, only those from `arena_keep` bytes on) and the wholly free segments. Streams
   // that freed the memory are synchronized first. Returns the bytes given back. With `want`,
   // at most about that many bytes go back (whole pages), the pool's before the arena's.
+  // Pages under `also_keep` (address ranges, sorted: a plan's holes) stay mapped too.
   std::size_t trim(std::uintptr_t arena, std::size_t arena_keep,
-                   std::size_t want = std::numeric_limits<std::size_t>::max());
+                   std::size_t want = std::numeric_limits<std::size_t>::max(),
+                   const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep = {});
   // What trim(arena, ...) would give back outside `arena`, without giving it back: the unused
   // pages of the other virtual segments. Known only where every segment is virtual and not
   // an expandable one (whole free segments and chunks go back by other rules): nullopt else.
@@ -228,7 +230,8 @@ class CachingAllocator : public LockedAllocator {
   // `extra`: a free block listed nowhere (the one being backed), whose pages past
   // [keep_lo, keep_hi) may go back too.
   std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
-                            std::size_t want, bool spare = false, const Block* extra = nullptr);
+                            std::size_t want, bool spare = false, const Block* extra = nullptr,
+                            const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep = {});
   // Pages reclaim_pages may give back: mapped, no block in use touches them, starting inside
   // a free block (of `free_block` bytes).
   struct Victim {
@@ -241,7 +244,8 @@ class CachingAllocator : public LockedAllocator {
   // idle first, then from the largest free blocks down, top pages first), walking free blocks
   // from the largest only as far as needed; fewer if there are fewer.
   std::vector<Victim> pool_victims(const Segment* keep, std::uintptr_t keep_lo,
-                                   std::uintptr_t keep_hi, std::size_t n, const Block* extra) const;
+                                   std::uintptr_t keep_hi, std::size_t n, const Block* extra,
+                                   const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) const;
   // Counts `b` (a block of a virtual segment) in or out of the users of its pages; out, its
   // stream and free_seq are noted on them (Segment::freed_by). Returns whether a mapped page
   // was left without users.

@@ -1021,6 +1021,7 @@ bool PlannedAllocator::boundary(bool arm_now) {
   Plan& p = plans_[active_];
   const std::uint64_t n = base_ + events_.size();
   const std::int64_t pass_peak = pool_->take_window_peak();
+  if (armed_) p.served_peak = static_cast<std::size_t>(std::max<std::int64_t>(pass_peak, 0));
   const std::uint64_t pass_start = pass_start_;
   pass_start_ = n;
   p.passed_over = pass_skipped_bytes_ * kArmShare > p.bound[0];
@@ -1785,7 +1786,18 @@ bool PlannedAllocator::arm(int v) {
     return r > floor ? (r - floor) / page() * page() : 0;
   };
   if (trimmable) {
-    pool_->trim(arena_, keep, above_floor());
+    // Where every unused page goes back (no plan that served lately took more), the pages of
+    // the holes a plan that served before fills stay, as far as its last pass went: given
+    // back, its pass maps them again, page by page (mistral_smooth: 182 page maps and unmaps
+    // at a plan's arming). Not all of them: the footprint counts every page its holes use over
+    // a pass, more than it holds at once (a hole's page goes idle, and the grow mark moves it
+    // where the next block needs one).
+    const bool keep_holes = p.holes[v] && p.served_peak != 0 && floor <= footprint;
+    pool_->trim(arena_, keep, above_floor(), keep_holes ? p.claims[v] : Ranges{});
+    const auto r = static_cast<std::size_t>(pool_->reserved_bytes());
+    if (keep_holes && r > p.served_peak) {
+      pool_->trim(arena_, keep, (r - p.served_peak + page() - 1) / page() * page());
+    }
     mapped = arena_ != 0 ? pool_->arena_mapped(arena_) : 0;
   }
   if (arena_ != 0 && arena_size_ < need) {

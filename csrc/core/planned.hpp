@@ -349,6 +349,7 @@ class PlannedAllocator : public Allocator {
     bool imported = false;        // from import_plans()
     std::size_t cap = 0;          // imported: the highest reserved of the run it comes from
     std::uint64_t arms_here = 0;  // times armed in this run (export_plans() takes those armed)
+    std::size_t served_peak = 0;  // the highest reserved over the last pass it served (boundary())
   };
   struct Live {
     std::uint64_t id = 0;     // allocation ordinal
