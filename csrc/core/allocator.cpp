@@ -1313,7 +1313,7 @@ void CachingAllocator::synchronize_epochs() {
 
 std::vector<CachingAllocator::Victim> CachingAllocator::pool_victims(
     const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi, std::size_t n,
-    const Block* extra, const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) const {
+    const Block* extra, const AddressRanges& also_keep) const {
   // Best fit hands out the smallest free block that fits, from its low end: the pages it
   // reaches last, and so the ones to give back first, are the top pages of the largest free
   // blocks. Taken in address order, pages that the next requests mapped again went back (vmm
@@ -1399,8 +1399,7 @@ std::vector<CachingAllocator::Victim> CachingAllocator::pool_victims(
 
 std::size_t CachingAllocator::reclaim_pages(const Segment* keep, std::uintptr_t keep_lo,
                                             std::uintptr_t keep_hi, std::size_t want, bool spare,
-                                            const Block* extra,
-                                            const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) {
+                                            const Block* extra, const AddressRanges& also_keep) {
   // Unmaps pages no live block touches (but those under [keep_lo, keep_hi) of `keep`, about
   // to be used) and gives them back to the device, until `want` bytes are reclaimed. The
   // pool's segments go first, arenas last: their free pages will serve the plan again.
@@ -2204,7 +2203,7 @@ bool CachingAllocator::arena_in_use(std::uintptr_t arena) const {
 }
 
 std::size_t CachingAllocator::trim(std::uintptr_t arena, std::size_t arena_keep, std::size_t want,
-                                   const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) {
+                                   const AddressRanges& also_keep) {
   std::lock_guard<std::mutex> lock(mutex_);
   process_events();
   const std::int64_t before = reserved_;

@@ -42,6 +42,9 @@ struct SharePair {
   std::vector<std::pair<std::size_t, std::size_t>> alias_used;  // its offsets in use, when found
 };
 
+// Address ranges [first, first + second), sorted by address.
+using AddressRanges = std::vector<std::pair<std::uintptr_t, std::size_t>>;
+
 // Wholly free segments, largest first: the order in which cache is released.
 struct LargestFirst {
   bool operator()(const Block* a, const Block* b) const {
@@ -161,7 +164,7 @@ class CachingAllocator : public LockedAllocator {
   // Pages under `also_keep` (address ranges, sorted: a plan's holes) stay mapped too.
   std::size_t trim(std::uintptr_t arena, std::size_t arena_keep,
                    std::size_t want = std::numeric_limits<std::size_t>::max(),
-                   const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep = {});
+                   const AddressRanges& also_keep = {});
   // What trim(arena, ...) would give back outside `arena`, without giving it back: the unused
   // pages of the other virtual segments. Known only where every segment is virtual and not
   // an expandable one (whole free segments and chunks go back by other rules): nullopt else.
@@ -231,7 +234,7 @@ class CachingAllocator : public LockedAllocator {
   // [keep_lo, keep_hi) may go back too.
   std::size_t reclaim_pages(const Segment* keep, std::uintptr_t keep_lo, std::uintptr_t keep_hi,
                             std::size_t want, bool spare = false, const Block* extra = nullptr,
-                            const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep = {});
+                            const AddressRanges& also_keep = {});
   // Pages reclaim_pages may give back: mapped, no block in use touches them, starting inside
   // a free block (of `free_block` bytes).
   struct Victim {
@@ -245,7 +248,7 @@ class CachingAllocator : public LockedAllocator {
   // from the largest only as far as needed; fewer if there are fewer.
   std::vector<Victim> pool_victims(const Segment* keep, std::uintptr_t keep_lo,
                                    std::uintptr_t keep_hi, std::size_t n, const Block* extra,
-                                   const std::vector<std::pair<std::uintptr_t, std::size_t>>& also_keep) const;
+                                   const AddressRanges& also_keep) const;
   // Counts `b` (a block of a virtual segment) in or out of the users of its pages; out, its
   // stream and free_seq are noted on them (Segment::freed_by). Returns whether a mapped page
   // was left without users.
