@@ -21,12 +21,24 @@ Each brings a pattern none of the 63 has:
 - effnet_b1_cl: EfficientNet-B1 in channels-last memory format, SGD with Nesterov momentum;
 - mistral_smooth: Mistral (grouped-query attention, a sliding window) with a label-smoothed loss
   computed outside the model, Adam.
+
+Added in session 48, recorded and replayed before anything was changed for them:
+- distill_r18: knowledge distillation, a frozen ResNet-34 teacher run under no_grad beside a
+  ResNet-18 student, a temperature-scaled KL loss plus cross-entropy, AdamW;
+- multitask_alt: one transformer encoder with two heads whose steps take turns (sentence
+  classification on 128 tokens, token tagging on 96), Adam;
+- wgan_gp: a WGAN with gradient penalty, five critic steps per generator step, the penalty a
+  double backward (`create_graph=True`), two Adam optimizers;
+- sparse_rec: a recommender with sparse embedding gradients (`sparse=True`, SparseAdam) whose
+  sizes follow the ids drawn, and an MLP under Adam;
+- maml_mlp: MAML, two inner SGD steps per task taken with `create_graph=True` and a
+  second-order meta-gradient over four tasks, Adam.
 """
 
 from __future__ import annotations
 
 # Steps that do not repeat: no steady state for a plan to reach.
-NO_REPEATED_ITERATION = frozenset({"layerdrop_enc"})
+NO_REPEATED_ITERATION = frozenset({"layerdrop_enc", "sparse_rec"})
 
 
 def _loop(make_model, make_optimizer, loss_of, steps, bf16=False, clip=None):
@@ -216,6 +228,150 @@ def _mistral():
         lambda p: torch.optim.Adam(p, 1e-4), loss, 5)
 
 
+def _distill():
+    import torch
+    import torch.nn.functional as F
+    import torchvision
+
+    torch.manual_seed(1)
+    teacher = None
+
+    def make_student():
+        nonlocal teacher
+        teacher = torchvision.models.resnet34(num_classes=100).eval().requires_grad_(False)
+        return torchvision.models.resnet18(num_classes=100)
+
+    def loss(model, step):
+        x, y = torch.randn(32, 3, 64, 64), torch.randint(0, 100, (32,))
+        with torch.no_grad():
+            soft = F.softmax(teacher(x) / 4.0, dim=1)
+        logits = model(x)
+        kd = F.kl_div(F.log_softmax(logits / 4.0, dim=1), soft, reduction="batchmean") * 16.0
+        return 0.9 * kd + 0.1 * F.cross_entropy(logits, y)
+    return _loop(make_student, lambda p: torch.optim.AdamW(p, 1e-3), loss, 5)
+
+
+def _multitask():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Shared(nn.Module):
+        def __init__(self, width=256, vocab=8000, tags=50):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.encoder = nn.TransformerEncoder(
+                nn.TransformerEncoderLayer(width, 4, 1024, batch_first=True), 4)
+            self.classify = nn.Linear(width, 20)
+            self.tag = nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, tags))
+
+    def loss(model, step):
+        if step % 2 == 0:  # sentence classification
+            ids = torch.randint(0, 8000, (16, 128))
+            h = model.encoder(model.embed(ids))
+            return F.cross_entropy(model.classify(h.mean(1)), torch.randint(0, 20, (16,)))
+        ids = torch.randint(0, 8000, (16, 96))  # token tagging
+        h = model.encoder(model.embed(ids))
+        return F.cross_entropy(model.tag(h).flatten(0, 1), torch.randint(0, 50, (16 * 96,)))
+    return _loop(Shared, lambda p: torch.optim.Adam(p, 1e-4), loss, 8)
+
+
+def _wgan_gp():
+    import torch
+    import torch.nn as nn
+
+    def run():
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(128, 4 * 4 * 256), nn.Unflatten(1, (256, 4, 4)),
+                            nn.ConvTranspose2d(256, 128, 4, 2, 1), nn.BatchNorm2d(128), nn.ReLU(),
+                            nn.ConvTranspose2d(128, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.ReLU(),
+                            nn.ConvTranspose2d(64, 3, 4, 2, 1), nn.Tanh())
+        critic = nn.Sequential(nn.Conv2d(3, 64, 4, 2, 1), nn.LeakyReLU(0.2),
+                               nn.Conv2d(64, 128, 4, 2, 1), nn.LeakyReLU(0.2),
+                               nn.Conv2d(128, 256, 4, 2, 1), nn.LeakyReLU(0.2),
+                               nn.Flatten(), nn.Linear(4 * 4 * 256, 1))
+        opt_g = torch.optim.Adam(gen.parameters(), 1e-4, betas=(0.5, 0.9))
+        opt_c = torch.optim.Adam(critic.parameters(), 1e-4, betas=(0.5, 0.9))
+        for _ in range(4):
+            for _ in range(5):
+                real = torch.randn(64, 3, 32, 32)
+                with torch.no_grad():
+                    fake = gen(torch.randn(64, 128))
+                eps = torch.rand(64, 1, 1, 1)
+                mixed = (eps * real + (1 - eps) * fake).requires_grad_(True)
+                grad, = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+                penalty = ((grad.flatten(1).norm(dim=1) - 1) ** 2).mean()
+                loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+                loss.backward()
+                del loss, grad, penalty, mixed
+                opt_c.step()
+                opt_c.zero_grad(set_to_none=True)
+            loss = -critic(gen(torch.randn(64, 128))).mean()
+            loss.backward()
+            del loss
+            opt_g.step()
+            opt_g.zero_grad(set_to_none=True)
+            critic.zero_grad(set_to_none=True)
+    return run
+
+
+def _sparse_rec():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def run():
+        torch.manual_seed(0)
+        items = nn.Embedding(200_000, 64, sparse=True)
+        users = nn.Embedding(50_000, 64, sparse=True)
+        mlp = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                            nn.Linear(256, 1))
+        sparse_opt = torch.optim.SparseAdam(list(items.parameters()) + list(users.parameters()), 1e-3)
+        dense_opt = torch.optim.Adam(mlp.parameters(), 1e-3)
+        for _ in range(6):
+            # Ids drawn from a skewed distribution: how many are distinct varies per step.
+            item_ids = (torch.rand(4096) ** 3 * 200_000).long()
+            user_ids = torch.randint(0, 50_000, (4096,))
+            score = mlp(torch.cat([items(item_ids), users(user_ids)], dim=1)).squeeze(1)
+            loss = F.binary_cross_entropy_with_logits(score, torch.rand(4096).round())
+            loss.backward()
+            del loss, score
+            sparse_opt.step()
+            dense_opt.step()
+            sparse_opt.zero_grad(set_to_none=True)
+            dense_opt.zero_grad(set_to_none=True)
+    return run
+
+
+def _maml():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.func import functional_call
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                              nn.Linear(1024, 10))
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        for _ in range(5):
+            meta_loss = 0.0
+            for _ in range(4):  # tasks
+                params = dict(model.named_parameters())
+                x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+                for _ in range(2):  # inner steps, kept in the graph
+                    inner = F.cross_entropy(functional_call(model, params, (x,)), y)
+                    grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+                    params = {k: v - 0.1 * g for (k, v), g in zip(params.items(), grads)}
+                qx, qy = torch.randn(256, 64), torch.randint(0, 10, (256,))
+                meta_loss = meta_loss + F.cross_entropy(functional_call(model, params, (qx,)), qy)
+            meta_loss.backward()
+            del meta_loss, params, grads, inner
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return run
+
+
 def workloads():
     """name -> callable that runs the workload (recorded by alloc_replay.record_traces)."""
     return {
@@ -227,4 +383,9 @@ def workloads():
         "phi_bf16_clip": _phi(),
         "effnet_b1_cl": _effnet_channels_last(),
         "mistral_smooth": _mistral(),
+        "distill_r18": _distill(),
+        "multitask_alt": _multitask(),
+        "wgan_gp": _wgan_gp(),
+        "sparse_rec": _sparse_rec(),
+        "maml_mlp": _maml(),
     }
