@@ -79,7 +79,8 @@
 //   plan does not place plus the plan's bound; the plan arms only where that is above the
 //   highest reserved so far (or it replaces a plan that was serving), and only if its
 //   footprint is within plan_slack of that estimate (to the end of a page), as a plan at its
-//   cut may hold that much over the highest live bytes. Its first `skip` slots stay with the
+//   cut may hold that much over the highest live bytes, or within what the pool held over the
+//   live bytes when the pass began, where that is more. Its first `skip` slots stay with the
 //   pool; the grow mark is what is reserved then, so the arena takes the pages those blocks
 //   free before new ones. At the cut it arms whole, or stops serving (each pass would leave
 //   its first requests to the pool beside the arena). The steady state (first_planned_request)
@@ -293,6 +294,8 @@ class PlannedAllocator : public Allocator {
     std::uint64_t chain = kNever;    // previous end of the window that ends after this event
     std::size_t size = 0;            // allocation: rounded size; free: 0
     std::int64_t live_before = 0;    // live bytes just before this event
+    std::int64_t reserved_high = 0;  // the highest reserved bytes and live bytes so far, just
+    std::int64_t live_high = 0;      // before this event (arm_mid_pass())
     StreamId stream = 0;
     bool alloc = false;
   };
@@ -371,7 +374,8 @@ class PlannedAllocator : public Allocator {
   // served, are in the window it was made from): it arms now for the rest of the pass
   // (build_plan()).
   // `replaces`: a plan was serving when this one was made.
-  void arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n, bool replaces);
+  void arm_mid_pass(Plan& p, std::size_t cursor, std::uint64_t n, bool replaces,
+                    std::uint64_t began);  // began: the event this pass began at
   // The most that a plan which served within its last kRecentPeriods periods took (or the
   // pool between such passes), at least `footprint`; forgets the older ones.
   std::size_t recent_floor(std::size_t footprint);
@@ -616,6 +620,7 @@ class PlannedAllocator : public Allocator {
   std::size_t between_high_ = 0;
   // Reserved memory the armed plan kept mapped for them; above its footprint, pages were kept.
   std::size_t kept_floor_ = 0;
+  double mid_pass_over_ = 1.0;  // arm_mid_pass(): the pool's reserved over live as the pass began
   std::size_t armed_footprint_ = 0;  // the armed plan's (last_footprint_ may be a refused one's)
   std::vector<PackBlock> last_blocks_;
   double pack_seconds_ = 0.0;  // time spent packing, in all
