@@ -695,6 +695,7 @@ Block* CachingAllocator::new_segment(Pool& pool, std::size_t bytes, StreamId str
   Block* b = add_segment(reinterpret_cast<std::uintptr_t>(ptr), bytes, stream, pool.small, false);
   reserved_ += static_cast<std::int64_t>(bytes);
   reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  reserved_hwm_seen_.store(reserved_hwm_, std::memory_order_relaxed);
   window_hwm_ = std::max(window_hwm_, reserved_);
   grow_mark_ = std::max(grow_mark_, reserved_);
   update_stat(&Stats::reserved_bytes, pool.small, static_cast<std::int64_t>(bytes));
@@ -1171,6 +1172,7 @@ bool CachingAllocator::map_pages(Segment* seg, std::uintptr_t lo, std::uintptr_t
     if (seg->chunk == 0 || i % (seg->chunk / page) == 0) ++stats_.num_device_alloc;
   }
   reserved_hwm_ = std::max(reserved_hwm_, reserved_);
+  reserved_hwm_seen_.store(reserved_hwm_, std::memory_order_relaxed);
   window_hwm_ = std::max(window_hwm_, reserved_);
   grow_mark_ = std::max(grow_mark_, reserved_);
   return true;

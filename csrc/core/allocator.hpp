@@ -1,6 +1,7 @@
 // The caching allocator: one engine, three rule sets (PolicyKind), any Device.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -175,6 +176,11 @@ class CachingAllocator : public LockedAllocator {
   void set_grow_mark(std::size_t bytes);
   // The highest reserved so far (never reset, unlike the peak stat).
   std::int64_t reserved_high_water() const;
+  // The same without taking the lock, for a caller that serializes its calls into this
+  // allocator (PlannedAllocator notes it at every event).
+  std::int64_t reserved_high_water_unlocked() const noexcept {
+    return reserved_hwm_seen_.load(std::memory_order_relaxed);
+  }
   // The highest reserved since the last call (which starts the next window at reserved now).
   std::int64_t take_window_peak();
 
@@ -374,6 +380,7 @@ class CachingAllocator : public LockedAllocator {
   std::uint64_t free_seq_ = 0;
   std::int64_t reserved_ = 0;
   std::int64_t reserved_hwm_ = 0;  // highest reserved ever; unlike the stat, never reset
+  std::atomic<std::int64_t> reserved_hwm_seen_{0};  // reserved_hwm_, for the unlocked read
   // pack_long_lived (allocator.cpp: long_lived): allocations and frees so far, allocations
   // since the last free, and the sizes of blocks alive since the first quarter of those
   // events (made again at most every kOldSizesEvery events, when asked).

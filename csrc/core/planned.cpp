@@ -1869,7 +1869,7 @@ bool PlannedAllocator::arm(int v) {
 std::uint64_t PlannedAllocator::record_event(const Event& e) {
   const std::uint64_t g = base_ + events_.size();
   events_.push_back(e);
-  events_.back().reserved_high = pool_->reserved_high_water();
+  events_.back().reserved_high = pool_->reserved_high_water_unlocked();  // calls are serialized by mutex_
   events_.back().live_high = live_hwm_;
   prefix_.push_back(prefix_.back() * kHashBase + e.token);
   // Keep two periods of history (and the window) at most; trim in halves so it is amortized.
