@@ -13,7 +13,9 @@
 // the pool's, exactly: a planned block is a block of the pool. Before any plan exists the policy
 // *is* pymemplan-vmm.
 //
-// Design (details at each function in planned.cpp):
+// Design (details at each function; the sources go by concern: planned.cpp the interface and
+// configuration, planned_detect.cpp detection and the making of plans, planned_arm.cpp packing
+// and arming, planned_serve.cpp serving a pass and its cut, planned_runs.cpp plans across runs):
 // - Detection. Each allocation is a token (rounded size, stream); each free is a token (number
 //   of allocations since the freed one was made). A rolling hash of the last `match_window`
 //   tokens finds earlier places where the same window occurred (hash chains over the history);
