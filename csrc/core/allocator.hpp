@@ -1,4 +1,8 @@
-// The caching allocator: one engine, three rule sets (PolicyKind), any Device.
+// The caching allocator: one engine, three rule sets (PolicyKind), any Device. Its sources go by
+// concern: allocator.cpp the rules, the entry points, allocation and freeing; allocator_pages.cpp
+// pages (expandable segments, virtual memory); allocator_sharing.cpp page sharing;
+// allocator_arena.cpp placement at fixed offsets (the arenas of plan-guided placement);
+// allocator_events.cpp events and streams.
 #pragma once
 
 #include <atomic>

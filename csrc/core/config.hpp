@@ -13,7 +13,7 @@ constexpr std::size_t kMiB = 1024 * kKiB;
 
 // Which rule set the engine follows.
 enum class PolicyKind {
-  Pymemplan,  // ours: see allocator.cpp for where it departs from PyTorch and why
+  Pymemplan,  // ours: see allocator*.cpp for where it departs from PyTorch and why
   Torch,      // a model of c10/cuda/CUDACachingAllocator.cpp's native policy
   NoCache,    // one device allocation per request (PYTORCH_NO_CUDA_MEMORY_CACHING=1)
 };

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "errors.hpp"
+#include "util.hpp"
 
 namespace pymemplan {
 namespace {
@@ -17,8 +18,6 @@ constexpr std::size_t kMediumLimit = 10 * kMiB;  // torch's kMinLargeAlloc
 constexpr std::size_t kMediumSegment = 20 * kMiB;  // torch's kLargeBuffer
 
 const char* const kGMLakeKeys = "frag_limit_mb, reuse_limit";
-
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
 }  // namespace
 

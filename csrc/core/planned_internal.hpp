@@ -4,10 +4,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
-#include <string>
 
 #include "allocator_api.hpp"
+#include "util.hpp"
 
 namespace pymemplan::planned_internal {
 
@@ -69,14 +68,6 @@ inline std::uint64_t pow_base(std::uint64_t e) {
     e >>= 1;
   }
   return r;
-}
-
-inline std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
-
-inline std::string to_hex(std::uintptr_t addr) {
-  std::ostringstream s;
-  s << "0x" << std::hex << addr;
-  return s.str();
 }
 
 }  // namespace pymemplan::planned_internal
