@@ -17,6 +17,7 @@ def _replay(args: argparse.Namespace) -> int:
     paths = args.traces or builtin_traces()
     policies = args.policy or list(DEFAULT_POLICIES)
     results = []
+    explained = []
     try:
         plans = _read_plans_option(args.plans)
         if plans is not None and not any(p.split("=")[0] == "pymemplan-planned" for p in policies):
@@ -28,7 +29,17 @@ def _replay(args: argparse.Namespace) -> int:
             trace = read_trace(path)
             replayed = replay(trace, policies, capacity=args.capacity,
                               granularity=args.granularity, plans=plans)
-            results.extend(r.to_dict() for r in replayed)
+            rows = [r.to_dict() for r in replayed]
+            if args.explain:
+                from .traces.explain import explain_peak
+
+                for spec, row in zip(policies, rows):
+                    seed = plans if spec.split("=")[0] == "pymemplan-planned" else None
+                    why = explain_peak(trace, spec, capacity=args.capacity,
+                                       granularity=args.granularity, plans=seed)
+                    row["explain"] = why.to_dict()
+                    explained.append(why)
+            results.extend(rows)
             if args.save_plans is not None:
                 _save_plans_option(args.save_plans, replayed)
             if args.restarted:
@@ -71,6 +82,9 @@ def _replay(args: argparse.Namespace) -> int:
                       show(r["ns_per_event"], "{:.0f}".format))
     # Piped output has no terminal width to fit; keep rows on one line.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+    for why in explained:
+        print()
+        print("\n".join(why.lines()))
     if refused:
         print(f"OOM: the policy refused requests at {args.capacity}; peak reserved is what it "
               "held, and peak live counts the refused requests too. Replay with a larger "
@@ -168,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--save-plans", metavar="FILE",
                     help="write the plans pymemplan-planned ended its replay of TRACE with, "
                          "for a job to start with (enable(plans=FILE), PYMEMPLAN_PLANS=FILE)")
+    rp.add_argument("--explain", action="store_true",
+                    help="say, per trace and policy, what reserved memory holds at its peak: "
+                         "live, rounding, pending frees, cached, and fragments (free space in "
+                         "segments or pages that blocks in use keep), with the segments or "
+                         "pages that hold the most and the blocks that keep them")
     rp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rp.set_defaults(func=_replay)
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace

@@ -205,6 +205,8 @@ PYBIND11_MODULE(_core, m) {
       .def("reset_peak_stats", &Allocator::reset_peak_stats)
       .def("reset_accumulated_stats", &Allocator::reset_accumulated_stats)
       .def("snapshot", [](const Allocator& a) { return snapshot_dict(a.snapshot(), 0); })
+      .def("reserved_bytes", &Allocator::reserved_bytes,
+           "Bytes held from the device now (reserved_bytes.all.current, without the stats dict).")
       .def("round_size", &Allocator::round_size, py::arg("size"))
       .def_property_readonly("last_error", &Allocator::last_error)
       .def_property_readonly("policy",

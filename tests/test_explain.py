@@ -1,0 +1,176 @@
+"""What reserved memory holds at its peak (pymemplan.traces.explain_peak, replay --explain)."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pymemplan import _core
+from pymemplan.cli import main
+from pymemplan.traces import ALLOC, FREE, Trace, TraceError, explain_peak, replay, write_csv
+
+MiB = 1 << 20
+POLICIES = ["torch", "torch=expandable_segments:True", "pymemplan", "pymemplan-vmm",
+            "pymemplan-planned", "gmlake", "nocache"]
+
+
+def _trace(ops, name="t"):
+    """ops: ("a", id, size) or ("f", id)."""
+    sizes, events = {}, []
+    for op in ops:
+        if op[0] == "a":
+            sizes[op[1]] = op[2]
+            events.append((ALLOC, op[1], op[2], 0, 0.0))
+        else:
+            events.append((FREE, op[1], sizes[op[1]], 0, 0.0))
+    return Trace.from_events(events, name=name)
+
+
+def _live_after(trace, event):
+    live = 0
+    for a, s in zip(trace.action[:event + 1].tolist(), trace.size[:event + 1].tolist()):
+        live += s if a == ALLOC else -s
+    return live
+
+
+def test_holes_in_a_torch_segment_are_fragments_kept_by_the_blocks_between_them():
+    """Eight 2.5 MiB blocks fill one of torch's 20 MiB segments; every other one is freed, and
+    a 5 MiB request fits none of the four 2.5 MiB holes: a second segment. At that peak (40 MiB
+    for 15 live), the first segment's holes are kept by the four blocks left in it."""
+    ops = [("a", i, 5 * MiB // 2) for i in range(8)]
+    ops += [("f", i) for i in range(1, 8, 2)]
+    ops += [("a", 100, 5 * MiB), ("f", 100)] + [("f", i) for i in range(0, 8, 2)]
+    why = explain_peak(_trace(ops), "torch")
+    assert why.event == 12 and why.reserved_bytes == 40 * MiB
+    assert why.live_bytes == 15 * MiB and why.rounding_bytes == 0
+    assert why.cached_bytes == 0 and why.pending_bytes == 0
+    assert why.fragment_bytes == 25 * MiB and why.unit == "segment" and why.partly_used == 2
+    # The four blocks left in the first segment live for most of the trace; the 5 MiB one, one
+    # event: only the first segment's holes are kept step after step.
+    assert why.long_lived_fragment_bytes == 10 * MiB
+    second, first = why.holders
+    assert (second.free_bytes, second.largest_free_bytes) == (15 * MiB, 15 * MiB)
+    assert [(b.size, b.made_at, b.freed_at) for b in second.blocks] == [(5 * MiB, 12, 13)]
+    assert (first.free_bytes, first.largest_free_bytes) == (10 * MiB, 5 * MiB // 2)
+    assert sorted((b.made_at, b.freed_at) for b in first.blocks) == [(0, 14), (2, 15), (4, 16),
+                                                                      (6, 17)]
+    assert all(b.size == 5 * MiB // 2 for b in first.blocks)
+
+
+def test_a_wholly_free_segment_is_cached_and_a_small_block_pins_its_page():
+    """torch: a 4 MiB block takes a 20 MiB segment and is freed; a 1 MiB request then makes a
+    2 MiB small segment. At that peak (22 MiB), the large segment is cached (empty_cache would
+    give it back) and the small one holds 1 MiB of fragments."""
+    why = explain_peak(_trace([("a", 1, 4 * MiB), ("f", 1), ("a", 2, MiB)]), "torch")
+    assert why.reserved_bytes == 22 * MiB and why.event == 2
+    assert (why.live_bytes, why.cached_bytes, why.fragment_bytes) == (MiB, 20 * MiB, MiB)
+    assert [h.bytes for h in why.holders] == [2 * MiB]
+
+
+def test_with_virtual_memory_a_partly_used_page_is_what_holds_fragments():
+    """pymemplan-vmm maps whole 2 MiB pages: a 1 MiB block and a 3 MiB one share the second
+    page; the first page is the first block's alone. Once the 3 MiB block is freed its pages
+    stay mapped, unused: cached, and the first page is half free."""
+    why = explain_peak(_trace([("a", 1, MiB), ("a", 2, 3 * MiB), ("f", 2), ("f", 1)]),
+                       "pymemplan-vmm")
+    assert why.unit == "page" and why.event == 1 and why.reserved_bytes == 4 * MiB
+    assert why.live_bytes == 4 * MiB and why.fragment_bytes == 0 and why.partly_used == 0
+    why = explain_peak(_trace([("a", 1, MiB), ("a", 2, 3 * MiB), ("f", 2), ("a", 3, MiB // 2)]),
+                       "pymemplan-vmm")
+    assert why.event == 1  # the first event at the peak: later ones hold no more
+    assert why.fragment_bytes == 0
+
+
+def test_a_partly_used_page_is_listed_with_the_block_that_keeps_it():
+    """A 3 MiB block maps two pages and leaves 1 MiB of the second free: the peak is there, at
+    the first event; a 512 KiB block made next fits in that free MiB and raises nothing."""
+    why = explain_peak(_trace([("a", 1, 3 * MiB), ("a", 2, 512 << 10), ("f", 2)]),
+                       "pymemplan-vmm", top=3)
+    assert why.event == 0 and why.reserved_bytes == 4 * MiB and why.live_bytes == 3 * MiB
+    assert why.fragment_bytes == MiB and why.partly_used == 1
+    assert why.long_lived_fragment_bytes == MiB  # its block is never freed
+    (page,) = why.holders
+    assert page.bytes == 2 * MiB and page.free_bytes == page.largest_free_bytes == MiB
+    assert [(b.size, b.made_at, b.freed_at) for b in page.blocks] == [(3 * MiB, 0, None)]
+    text = "\n".join(why.lines())
+    assert "fragments 1.00 MiB (25.0%) in 1 partly used pages" in text, text
+    assert "3.00 MiB made at event 0, alive to the end" in text, text
+
+
+@st.composite
+def _programs(draw):
+    ops, live, next_id = [], [], 0
+    for _ in range(draw(st.integers(1, 60))):
+        if live and draw(st.booleans()):
+            ops.append(("f", live.pop(draw(st.integers(0, len(live) - 1)))))
+        else:
+            size = draw(st.sampled_from([512, 3000, 200_000, MiB, 3 * MiB // 2, 5 * MiB, 23 * MiB]))
+            ops.append(("a", next_id, size))
+            live.append(next_id)
+            next_id += 1
+    return ops
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_programs(), st.sampled_from(POLICIES))
+def test_the_parts_add_up_to_the_peak_the_replay_engine_reports(ops, policy):
+    trace = _trace(ops)
+    why = explain_peak(trace, policy)
+    (result,) = replay(trace, [policy])
+    assert why.reserved_bytes == result.peak_reserved_bytes
+    parts = (why.live_bytes, why.rounding_bytes, why.pending_bytes, why.cached_bytes,
+             why.fragment_bytes)
+    assert min(parts) >= 0, why
+    assert sum(parts) == why.reserved_bytes
+    assert why.live_bytes == _live_after(trace, why.event)
+    assert why.holders == sorted(why.holders, key=lambda h: -h.free_bytes)
+    assert sum(h.free_bytes for h in why.holders) <= why.fragment_bytes
+    assert 0 <= why.long_lived_fragment_bytes <= why.fragment_bytes
+    for h in why.holders:
+        assert 0 < h.largest_free_bytes <= h.free_bytes < h.bytes
+        for b in h.blocks:
+            assert b.made_at <= why.event and (b.freed_at is None or b.freed_at > why.event)
+
+
+def test_plans_start_pymemplan_planned_as_in_a_replay():
+    ops = []
+    for step in range(6):
+        ops += [("a", 100 * step + i, (i + 1) * MiB // 3) for i in range(12)]
+        ops += [("f", 100 * step + i) for i in range(11, -1, -1)]
+    trace = _trace(ops)
+    (first,) = replay(trace, ["pymemplan-planned"])
+    assert "plan " in first.plans
+    why = explain_peak(trace, "pymemplan-planned", plans=first.plans)
+    (again,) = replay(trace, ["pymemplan-planned"], plans=first.plans)
+    assert why.reserved_bytes == again.peak_reserved_bytes
+
+
+def test_bad_input_is_refused_with_what_was_wrong():
+    trace = _trace([("a", 1, MiB), ("f", 1)])
+    with pytest.raises(_core.AllocatorError, match="unknown allocator policy .best.: valid policies are"):
+        explain_peak(trace, "best")
+    with pytest.raises(ValueError, match="top must be >= 0"):
+        explain_peak(trace, "torch", top=-1)
+    with pytest.raises(ValueError, match="plans are for pymemplan-planned"):
+        explain_peak(trace, "torch", plans="pymemplan-plans 4\n")
+    bad = Trace.from_events([(FREE, 7, MiB, 0, 0.0)], name="bad")
+    with pytest.raises(TraceError):
+        explain_peak(bad, "torch")
+
+
+def test_replay_explain_prints_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "frag.csv"
+    ops = [("a", i, 5 * MiB // 2) for i in range(8)] + [("f", i) for i in range(1, 8, 2)]
+    write_csv(_trace(ops + [("a", 100, 5 * MiB)], name="frag"), path)
+    assert main(["replay", str(path), "--policy", "torch", "--policy", "pymemplan-vmm",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "frag / torch: reserved peaks at 40.00 MiB" in out, out
+    assert "fragments 25.00 MiB (62.5%) in 2 partly used segments" in out, out
+    assert "frag / pymemplan-vmm" in out
+    assert main(["replay", str(path), "--policy", "torch", "--explain", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["explain"]["fragment_bytes"] == 25 * MiB
+    assert row["explain"]["holders"][0]["blocks"][0]["made_at"] == 12
