@@ -92,6 +92,22 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from .traces import TraceError, explain_snapshot
+
+    try:
+        why = explain_snapshot(args.snapshot, device=args.device, top=args.top)
+    except (TraceError, ValueError, OSError) as e:
+        print(f"pymemplan explain: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(why.to_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print("\n".join(why.lines()))
+    return 0
+
+
 def _read_plans_option(path: str | None) -> str | None:
     if path is None:
         return None
@@ -189,6 +205,19 @@ def main(argv: list[str] | None = None) -> int:
                          "pages that hold the most and the blocks that keep them")
     rp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rp.set_defaults(func=_replay)
+    ep = sub.add_parser(
+        "explain", help="what a memory snapshot's reserved memory holds",
+        description="What reserved memory holds in a memory snapshot (a pickle written by "
+                    "torch.cuda.memory._dump_snapshot, at an out-of-memory error say, or by "
+                    "pymemplan.save_snapshot): live, rounding, pending frees, cached, and "
+                    "fragments, with the segments or pages that hold the most fragments and "
+                    "where the blocks that keep them were allocated.")
+    ep.add_argument("snapshot", metavar="SNAPSHOT")
+    ep.add_argument("--device", type=int, default=0, help="device index (default 0)")
+    ep.add_argument("--top", type=int, default=5,
+                    help="segments or pages to list, the most fragments first (default 5)")
+    ep.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ep.set_defaults(func=_explain)
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace
 
     _add_trace_parser(sub)

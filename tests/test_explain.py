@@ -1,6 +1,7 @@
 """What reserved memory holds at its peak (pymemplan.traces.explain_peak, replay --explain)."""
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 from pymemplan import _core
 from pymemplan.cli import main
-from pymemplan.traces import ALLOC, FREE, Trace, TraceError, explain_peak, replay, write_csv
+from pymemplan.traces import (ALLOC, FREE, Trace, TraceError, explain_peak, explain_snapshot,
+                               replay, write_csv)
 
 MiB = 1 << 20
 POLICIES = ["torch", "torch=expandable_segments:True", "pymemplan", "pymemplan-vmm",
@@ -174,3 +176,89 @@ def test_replay_explain_prints_and_writes_json(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out)
     assert row["explain"]["fragment_bytes"] == 25 * MiB
     assert row["explain"]["holders"][0]["blocks"][0]["made_at"] == 12
+
+
+def _torch_snapshot():
+    """A snapshot in the shape torch.cuda.memory._snapshot() returns, with stacks: one 20 MiB
+    segment holding a 6 MiB block (made in the user's code, under torch.nn.functional), a
+    2 MiB one freed but waiting for its stream, and free space; one wholly free 2 MiB segment;
+    one segment on device 1."""
+    def block(address, size, state, requested=0, frames=()):
+        return {"address": address, "size": size, "requested_size": requested, "state": state,
+                "frames": list(frames)}
+    frames = [{"filename": "/env/lib/python3.11/site-packages/torch/nn/functional.py",
+               "line": 2256, "name": "linear"},
+              {"filename": "/home/me/train.py", "line": 42, "name": "forward"}]
+    big = {"device": 0, "address": 0x100000000, "total_size": 20 * MiB, "segment_type": "large",
+           "is_expandable": False, "frames": [],
+           "blocks": [block(0x100000000, 6 * MiB, "active_allocated", 6 * MiB - 1000, frames),
+                      block(0x100600000, 2 * MiB, "active_pending_free"),
+                      block(0x100800000, 12 * MiB, "inactive")]}
+    idle = {"device": 0, "address": 0x200000000, "total_size": 2 * MiB, "segment_type": "small",
+            "is_expandable": False, "frames": [],
+            "blocks": [block(0x200000000, 2 * MiB, "inactive")]}
+    other = {"device": 1, "address": 0x300000000, "total_size": 2 * MiB, "segment_type": "small",
+             "is_expandable": False, "frames": [],
+             "blocks": [block(0x300000000, 2 * MiB, "active_allocated", 2 * MiB)]}
+    return {"segments": [big, idle, other], "device_traces": [[], []]}
+
+
+def test_a_torch_snapshot_is_split_and_names_where_the_pinning_block_was_made(tmp_path, capsys):
+    why = explain_snapshot(_torch_snapshot())
+    assert why.reserved_bytes == 22 * MiB and why.live_bytes == 6 * MiB - 1000
+    assert (why.rounding_bytes, why.pending_bytes, why.cached_bytes) == (1000, 2 * MiB, 2 * MiB)
+    assert why.fragment_bytes == 12 * MiB and why.partly_used == 1 and why.unit == "segment"
+    (seg,) = why.holders
+    assert (seg.free_bytes, seg.largest_free_bytes) == (12 * MiB, 12 * MiB)
+    assert [(b.size, b.site) for b in seg.blocks] == [(6 * MiB - 1000, "/home/me/train.py:42 (forward)")]
+    assert explain_snapshot(_torch_snapshot(), device=1).fragment_bytes == 0
+
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(_torch_snapshot()))
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "device 0: 22.00 MiB reserved" in out and "cached 2.00 MiB (9.1%)" in out, out
+    assert "allocated at /home/me/train.py:42 (forward)" in out, out
+    assert main(["explain", str(path), "--device", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["live_bytes"] == 2 * MiB
+
+
+def test_explain_refuses_what_is_not_a_snapshot(tmp_path, capsys):
+    with pytest.raises(ValueError, match="no segment on device 3 .it has segments on devices .0, 1.."):
+        explain_snapshot(_torch_snapshot(), device=3)
+    with pytest.raises(ValueError, match="expected a dict with a 'segments' list"):
+        explain_snapshot({"device_traces": []})
+    path = tmp_path / "x.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[]]}))
+    with pytest.raises(TraceError, match="not a memory snapshot .no 'segments' list."):
+        explain_snapshot(path)
+    (tmp_path / "text.pickle").write_text("hello")
+    assert main(["explain", str(tmp_path / "text.pickle")]) == 2
+    assert "cannot unpickle a memory snapshot" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_programs(), st.sampled_from([p for p in POLICIES if p != "gmlake"]))
+def test_a_snapshot_of_the_core_is_split_as_its_stats_count(ops, policy):
+    """explain_snapshot on pymemplan's own snapshot (the plugin writes the same): reserved
+    and live as the allocator's stats count them, every part >= 0, at any moment."""
+    trace = _trace(ops)
+    name, _, config = policy.partition("=")
+    alloc = _core.Allocator(_core.SimulatedDevice(1 << 36), name, config)
+    addresses = {}
+    for a, p, s in zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist()):
+        if a == ALLOC:
+            addresses[p] = alloc.malloc(s)
+        else:
+            alloc.free(addresses.pop(p))
+    stats = alloc.stats()
+    snap = alloc.snapshot()
+    if not snap["segments"]:
+        return
+    why = explain_snapshot(snap)
+    assert why.reserved_bytes == stats["reserved_bytes.all.current"]
+    assert why.live_bytes == stats["requested_bytes.all.current"]
+    assert why.live_bytes + why.rounding_bytes == stats["allocated_bytes.all.current"]
+    parts = (why.live_bytes, why.rounding_bytes, why.pending_bytes, why.cached_bytes,
+             why.fragment_bytes)
+    assert min(parts) >= 0 and sum(parts) == why.reserved_bytes, why

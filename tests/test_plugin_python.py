@@ -579,6 +579,10 @@ def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
         assert sum(s["total_size"] for s in pymemplan.snapshot(0)["segments"]) == \\
             pymemplan.memory_reserved(0)
         pymemplan.save_snapshot({str(path)!r})
+        from pymemplan.traces import explain_snapshot
+        why = explain_snapshot({str(path)!r})  # what `pymemplan explain` reads
+        assert why.reserved_bytes == pymemplan.memory_reserved(0) and why.live_bytes == 3 * MiB + 300
+        assert explain_snapshot(one, device=1).live_bytes == 12 * MiB
 
         summary = pymemplan.memory_summary()
         for row in ("device ID 0", "CUDA OOMs: 0", "Device allocs: 2", "Allocated memory",

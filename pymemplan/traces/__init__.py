@@ -17,10 +17,12 @@ from .snapshot import read_snapshot_pickle
 from .trace import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError
 from .replay import DEFAULT_POLICIES, ReplayResult, replay
 from .offline import OfflineLayout, offline_layout
-from .explain import Holder, HeldBlock, PeakExplanation, explain_peak
+from .explain import (HeldBlock, Holder, MemoryExplanation, PeakExplanation, SnapshotBlock,
+                      explain_peak, explain_snapshot)
 
 __all__ = [
     "ALLOC", "ALLOC_FAILURE", "FREE", "RecordingError", "RecordingWarning", "Trace", "TraceError",
-    "DEFAULT_POLICIES", "HeldBlock", "Holder", "OfflineLayout", "PeakExplanation", "explain_peak", "ReplayResult", "builtin_traces", "offline_layout", "replay", "detect_format", "read_rmm_csv", "read_snapshot_pickle",
+    "DEFAULT_POLICIES", "HeldBlock", "Holder", "MemoryExplanation", "OfflineLayout", "PeakExplanation",
+    "SnapshotBlock", "explain_peak", "explain_snapshot", "ReplayResult", "builtin_traces", "offline_layout", "replay", "detect_format", "read_rmm_csv", "read_snapshot_pickle",
     "read_trace", "record", "record_step", "write_csv",
 ]

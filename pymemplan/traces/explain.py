@@ -14,6 +14,11 @@ moment reserved memory first reaches its peak, it splits exactly into:
 The segments (policies without virtual memory) or pages (with it) that hold the most
 fragments are listed with the blocks in use on them, each with the trace events that made and
 free it: which tensors, from when, pin the memory.
+
+``explain_snapshot`` does the same for a memory snapshot as it is, without a replay: PyTorch's
+own (``torch.cuda.memory._snapshot()``, taken at an out-of-memory error) or the plugin's
+(``pymemplan.memory_snapshot()``), naming where each block was allocated where the snapshot
+recorded stacks.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .. import _core
+import os
+
 from ..units import format_bytes, parse_bytes
 from .replay import parse_policy
 from .trace import ALLOC, FREE, Trace
@@ -44,53 +51,149 @@ class Holder:
     blocks: list[HeldBlock] = field(default_factory=list)
 
 
-@dataclass
-class PeakExplanation:
-    trace: str
-    policy: str
-    event: int              # reserved memory is at its peak after this event (the first such)
-    events: int
+@dataclass(kw_only=True)
+class _Split:
+    """Reserved memory, split: live + rounding + pending + cached + fragments."""
     reserved_bytes: int
     live_bytes: int
     rounding_bytes: int
     pending_bytes: int
     cached_bytes: int
     fragment_bytes: int
-    # Fragments in segments or pages whose blocks in use all live for at least half the trace
-    # (parameters, optimizer state; a recording that ends by freeing the model frees them
-    # too): kept step after step, where the rest goes with the step that made it.
-    long_lived_fragment_bytes: int
     unit: str               # "segment" or "page": what holders are
     partly_used: int        # segments or pages that hold fragments
-    holders: list[Holder] = field(default_factory=list)
+    holders: list[Holder]   # those that hold the most fragments, the most first
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+@dataclass(kw_only=True)
+class PeakExplanation(_Split):
+    """What a policy's reserved memory holds at its peak in a replay (explain_peak)."""
+    trace: str
+    policy: str
+    event: int              # reserved memory is at its peak after this event (the first such)
+    events: int
+    # Fragments in segments or pages whose blocks in use all live for at least half the trace
+    # (parameters, optimizer state; a recording that ends by freeing the model frees them
+    # too): kept step after step, where the rest goes with the step that made it.
+    long_lived_fragment_bytes: int
+
     def lines(self) -> list[str]:
         """The explanation as text, a line per finding."""
-        r = self.reserved_bytes
-        def part(b: int) -> str:
-            return f"{format_bytes(b)} ({100 * b / r:.1f}%)" if r else format_bytes(b)
-        out = [f"{self.trace} / {self.policy}: reserved peaks at {format_bytes(r)} after event "
-               f"{self.event:,} of {self.events:,}",
-               f"  live {part(self.live_bytes)}, rounding {part(self.rounding_bytes)}, "
-               f"pending frees {part(self.pending_bytes)}, cached {part(self.cached_bytes)}, "
-               f"fragments {part(self.fragment_bytes)} in {self.partly_used:,} partly used "
-               f"{self.unit}s"]
+        head = (f"{self.trace} / {self.policy}: reserved peaks at "
+                f"{format_bytes(self.reserved_bytes)} after event {self.event:,} of {self.events:,}")
+        lasting = []
         if self.fragment_bytes:
-            out.append(f"  of the fragments, {part(self.long_lived_fragment_bytes)} are in "
-                       f"{self.unit}s whose blocks in use all live for half the trace or more")
-        for h in self.holders:
-            out.append(f"  {self.unit} at {h.address:#x} ({format_bytes(h.bytes)}): "
-                       f"{format_bytes(h.free_bytes)} free, at most {format_bytes(h.largest_free_bytes)} "
-                       f"in one range, kept by {len(h.blocks)} block(s):")
-            for b in sorted(h.blocks, key=lambda b: -b.size)[:4]:
-                end = "alive to the end" if b.freed_at is None else f"freed at {b.freed_at:,}"
-                out.append(f"    {format_bytes(b.size)} made at event {b.made_at:,}, {end}")
-            if len(h.blocks) > 4:
-                out.append(f"    and {len(h.blocks) - 4} more")
-        return out
+            lasting = [f"  of the fragments, {_share(self.long_lived_fragment_bytes, self.reserved_bytes)} "
+                       f"are in {self.unit}s whose blocks in use all live for half the trace or more"]
+        def block(b: HeldBlock) -> str:
+            end = "alive to the end" if b.freed_at is None else f"freed at {b.freed_at:,}"
+            return f"made at event {b.made_at:,}, {end}"
+        return _lines(self, head, lasting, block)
+
+
+@dataclass
+class SnapshotBlock:
+    """A block in use on a segment or page that holds fragments, in a snapshot."""
+    size: int               # bytes requested (the block's size where the snapshot has none)
+    site: str | None        # where it was allocated: "file:line (function)", if recorded
+
+
+@dataclass(kw_only=True)
+class MemoryExplanation(_Split):
+    """What a snapshot's reserved memory holds, on one device (explain_snapshot)."""
+    device: int
+
+    def lines(self) -> list[str]:
+        """The explanation as text, a line per finding."""
+        head = f"device {self.device}: {format_bytes(self.reserved_bytes)} reserved"
+        return _lines(self, head, [], lambda b: f"allocated at {b.site or '(no stack recorded)'}")
+
+
+def _share(b: int, whole: int) -> str:
+    return f"{format_bytes(b)} ({100 * b / whole:.1f}%)" if whole else format_bytes(b)
+
+
+def _lines(why, head: str, extra: list[str], describe) -> list[str]:
+    """The text of an explanation: `head`, the parts, `extra`, then each holder and its largest
+    blocks (`describe` says where a block comes from)."""
+    r = why.reserved_bytes
+    out = [head,
+           f"  live {_share(why.live_bytes, r)}, rounding {_share(why.rounding_bytes, r)}, "
+           f"pending frees {_share(why.pending_bytes, r)}, cached {_share(why.cached_bytes, r)}, "
+           f"fragments {_share(why.fragment_bytes, r)} in {why.partly_used:,} partly used "
+           f"{why.unit}s", *extra]
+    for h in why.holders:
+        out.append(f"  {why.unit} at {h.address:#x} ({format_bytes(h.bytes)}): "
+                   f"{format_bytes(h.free_bytes)} free, at most {format_bytes(h.largest_free_bytes)} "
+                   f"in one range, kept by {len(h.blocks)} block(s):")
+        for b in sorted(h.blocks, key=lambda b: -b.size)[:4]:
+            out.append(f"    {format_bytes(b.size)} {describe(b)}")
+        if len(h.blocks) > 4:
+            out.append(f"    and {len(h.blocks) - 4} more")
+    return out
+
+
+def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplanation:
+    """What reserved memory holds in `snapshot` on `device`: a snapshot dict
+    (``torch.cuda.memory._snapshot()``, ``pymemplan.memory_snapshot()``) or the path of a
+    pickle of one (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
+
+    The split is that of `explain_peak`, at the moment the snapshot was taken. A block's site
+    is the innermost frame of its stack outside PyTorch's own files, where the snapshot has
+    stacks (``torch.cuda.memory._record_memory_history()`` records them).
+
+    Raises TraceError for a file that is not a snapshot, ValueError for a snapshot without
+    segments on `device` or a bad `top`."""
+    from .snapshot import load_snapshot_segments
+
+    if top < 0:
+        raise ValueError(f"top must be >= 0, got {top}")
+    if isinstance(snapshot, (str, os.PathLike)):
+        snapshot = load_snapshot_segments(snapshot)
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
+        raise ValueError("not a memory snapshot: expected a dict with a 'segments' list, as "
+                         "torch.cuda.memory._snapshot() returns")
+    segments = [seg for seg in snapshot["segments"] if seg.get("device", 0) == device]
+    if not segments:
+        found = sorted({seg.get("device", 0) for seg in snapshot["segments"]})
+        raise ValueError(f"the snapshot has no segment on device {device}"
+                         + (f" (it has segments on devices {found})" if found else
+                            " (it has no segment at all: nothing was allocated)"))
+    reserved = allocated = requested = 0
+    for seg in segments:
+        if "page_mapped" in seg:
+            reserved += seg["mapped_size"]
+        else:
+            reserved += seg["total_size"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                requested += b.get("requested_size") or b["size"]
+                if not seg.get("page_aliased") or not all(seg["page_aliased"]):
+                    allocated += b["size"]
+    pending, cached, units, paged = _layout(segments)
+    holders = [Holder(address, nbytes, free, largest,
+                      [SnapshotBlock(b.get("requested_size") or b["size"], _site(b.get("frames")))
+                       for b in blocks])
+               for address, nbytes, free, largest, blocks in units[:top]]
+    return MemoryExplanation(
+        device=device, reserved_bytes=reserved, live_bytes=requested,
+        rounding_bytes=allocated - requested, pending_bytes=pending, cached_bytes=cached,
+        fragment_bytes=reserved - allocated - pending - cached,
+        unit="page" if paged else "segment", partly_used=len(units), holders=holders)
+
+
+def _site(frames) -> str | None:
+    """The innermost frame outside PyTorch's own files (the user's code), else the innermost."""
+    if not frames:
+        return None
+    def outside(f: dict) -> bool:
+        name = str(f.get("filename", ""))
+        return bool(name) and not name.startswith("??") and f"{os.sep}torch{os.sep}" not in name
+    f = next((f for f in frames if outside(f)), frames[0])
+    return f"{f.get('filename', '?')}:{f.get('line', '?')} ({f.get('name', '?')})"
 
 
 def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granularity="2MiB",
@@ -143,39 +246,29 @@ def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granu
     stats = alloc.stats()
     reserved = stats["reserved_bytes.all.current"]
     allocated = stats["allocated_bytes.all.current"]
-    pending = cached = 0
-    units = []  # (address, bytes, free, largest free range, addresses of blocks in use)
     segments = alloc.snapshot()["segments"]
-    for seg in segments:
-        if "page_mapped" in seg:
-            p_pending, p_cached, p_units = _pages(seg)
-        else:
-            p_pending, p_cached, p_units = _segment(seg)
-        pending += p_pending
-        cached += p_cached
-        units.extend(p_units)
-    units.sort(key=lambda u: -u[2])
+    pending, cached, units, paged = _layout(segments)
     n = len(action)
-    def long_lived(b: int) -> bool:  # a block of a GMLake stitch is looked up whole, not by piece
-        if b not in by_address:
+    def long_lived(b: dict) -> bool:  # a block of a GMLake stitch is looked up whole, not by piece
+        if b["address"] not in by_address:
             return True
-        made = by_address[b][1]
+        made = by_address[b["address"]][1]
         return 2 * (freed_at.get(made, n) - made) >= n
     lasting = sum(free for _, _, free, _, blocks in units if all(long_lived(b) for b in blocks))
     holders = []
     for address, nbytes, free, largest, blocks in units[:top]:
         held = []
         for b in blocks:
-            if b in by_address:
-                s, made = by_address[b]
+            if b["address"] in by_address:
+                s, made = by_address[b["address"]]
                 held.append(HeldBlock(size=s, made_at=made, freed_at=freed_at.get(made)))
         holders.append(Holder(address, nbytes, free, largest, held))
-    paged = any("page_mapped" in s for s in segments)
     return PeakExplanation(
         trace=trace.name, policy=policy, event=stop, events=len(action), reserved_bytes=reserved,
         live_bytes=in_use, rounding_bytes=allocated - in_use, pending_bytes=pending,
         cached_bytes=cached, fragment_bytes=reserved - allocated - pending - cached,
-        long_lived_fragment_bytes=lasting, unit="page" if paged else "segment", partly_used=len(units), holders=holders)
+        long_lived_fragment_bytes=lasting, unit="page" if paged else "segment",
+        partly_used=len(units), holders=holders)
 
 
 def _frees_after(action: list[int], ptr: list[int], stop: int) -> dict[int, int]:
@@ -192,11 +285,25 @@ def _frees_after(action: list[int], ptr: list[int], stop: int) -> dict[int, int]
     return out
 
 
+def _layout(segments: list[dict]) -> tuple[int, int, list, bool]:
+    """Pending and cached bytes, the partly used units (address, bytes, free, largest free range,
+    blocks in use; the most free first), and whether units are pages."""
+    pending = cached = 0
+    units = []
+    for seg in segments:
+        p_pending, p_cached, p_units = _pages(seg) if "page_mapped" in seg else _segment(seg)
+        pending += p_pending
+        cached += p_cached
+        units.extend(p_units)
+    units.sort(key=lambda u: -u[2])
+    return pending, cached, units, any("page_mapped" in seg for seg in segments)
+
+
 def _segment(seg: dict) -> tuple[int, int, list]:
     """A segment without virtual memory: whole, or pinned by what is in use in it."""
     blocks = seg["blocks"]
     pending = sum(b["size"] for b in blocks if b["state"] == "active_pending_free")
-    used = [b["address"] for b in blocks if b["state"] == "active_allocated"]
+    used = [b for b in blocks if b["state"] == "active_allocated"]
     if not used and not pending:
         return 0, seg["total_size"], []
     free = [b["size"] for b in blocks if b["state"] == "inactive"]
@@ -216,7 +323,7 @@ def _pages(seg: dict) -> tuple[int, int, list]:
     used = [0] * n
     pending = [0] * n
     free_runs: list[list[int]] = [[] for _ in range(n)]
-    on_page: list[list[int]] = [[] for _ in range(n)]
+    on_page: list[list[dict]] = [[] for _ in range(n)]
     for b in seg["blocks"]:
         lo, hi = b["address"] - base, b["address"] - base + b["size"]
         for k in range(lo // page, (hi - 1) // page + 1):
@@ -225,7 +332,7 @@ def _pages(seg: dict) -> tuple[int, int, list]:
             overlap = min(hi, (k + 1) * page) - max(lo, k * page)
             if b["state"] == "active_allocated":
                 used[k] += overlap
-                on_page[k].append(b["address"])
+                on_page[k].append(b)
             elif b["state"] == "active_pending_free":
                 pending[k] += overlap
             else:

@@ -45,15 +45,30 @@ class _PlainDataUnpickler(pickle.Unpickler):
             f"dicts and lists, and other pickles are not loaded because they can run code")
 
 
-def load_snapshot(path: str | os.PathLike, data: bytes | None = None) -> dict:
-    """The snapshot dict from a pickle file (gzipped or not), checked to be one.
-    ``data``: the file's content when the caller has already read it."""
+def _unpickle(path: str | os.PathLike, data: bytes | None) -> object:
     if data is None:
         data = read_bytes(path)
     try:
-        snap = _PlainDataUnpickler(io.BytesIO(data)).load()
+        return _PlainDataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # pickle raises many types on bad input; all mean "not a snapshot"
         raise TraceError(f"{path}: cannot unpickle a memory snapshot: {e}") from None
+
+
+def load_snapshot_segments(path: str | os.PathLike) -> dict:
+    """A snapshot dict whose segments are what is wanted (not its history): a pickle file
+    (gzipped or not) with a 'segments' list, as torch.cuda.memory._dump_snapshot and
+    pymemplan.save_snapshot write."""
+    snap = _unpickle(path, None)
+    if not isinstance(snap, dict) or not isinstance(snap.get("segments"), list):
+        raise TraceError(f"{path}: not a memory snapshot (no 'segments' list); write one with "
+                         f"torch.cuda.memory._dump_snapshot(path) or pymemplan.save_snapshot(path)")
+    return snap
+
+
+def load_snapshot(path: str | os.PathLike, data: bytes | None = None) -> dict:
+    """The snapshot dict from a pickle file (gzipped or not), checked to be one.
+    ``data``: the file's content when the caller has already read it."""
+    snap = _unpickle(path, data)
     if not isinstance(snap, dict) or "device_traces" not in snap:
         raise TraceError(
             f"{path}: not a PyTorch memory snapshot with allocation history (no "
