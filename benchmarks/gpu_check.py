@@ -7,7 +7,10 @@ allocator, native with expandable_segments:True, pymemplan, pymemplan-vmm and
 pymemplan-planned, each in its own process, pymemplan-planned once more, restarted
 with the plans the first run saved at exit (PYMEMPLAN_PLANS), and the model of GMLake
 (policy gmlake, stitching every request over 1 MiB) through the same plugin. It reports the peak reserved and peak allocated bytes (from each allocator's own
-stats), the median step time, and the ratios to native. Beside the native runs it puts
+stats), the median step time, and the ratios to native; at the end of each run, what the
+allocator's snapshot holds (``explain_snapshot``, as ``pymemplan explain`` reads PyTorch's own
+snapshot or the plugin's; ``explained_at_end``), its reserved bytes beside the allocator's own
+count. Beside the native runs it puts
 the planner's predictions for the same step, made without the GPU: the peak of live bytes
 (``pymemplan.trace(..., device="cuda").peak_bytes``) against the peak allocated, and the
 reserved peak (``reserved_peak("torch")``, ``reserved_peak("torch=expandable_segments:True")``)
@@ -109,11 +112,24 @@ WORKER = SETUP + textwrap.dedent("""
     else:
         stats = torch.cuda.memory_stats()
     times = sorted(times[3:])
+    # `pymemplan explain` on the allocator's own snapshot at the end of the run (PyTorch's
+    # format, or the plugin's): its reserved bytes must be the allocator's own count.
+    end = None
+    if DEVICE != "cpu":
+        from pymemplan.traces import explain_snapshot
+        native = not pymemplan.is_enabled()
+        why = explain_snapshot(torch.cuda.memory._snapshot() if native else pymemplan.snapshot(0),
+                               device=0, top=0)
+        end = {"reserved_bytes": why.reserved_bytes, "live_bytes": why.live_bytes,
+               "cached_bytes": why.cached_bytes, "fragment_bytes": why.fragment_bytes,
+               "allocator_reserved_bytes": (torch.cuda.memory_reserved() if native
+                                            else pymemplan.memory_reserved())}
     print(json.dumps({
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
         "num_device_alloc": stats.get("num_device_alloc"),
         "median_step_s": times[len(times) // 2],
+        "explained_at_end": end,
     }))
 """)
 
