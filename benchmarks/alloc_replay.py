@@ -1074,6 +1074,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from pymemplan import _core
+    from pymemplan.traces.explain import explain_peak
     from pymemplan.traces.offline import offline_layout
     from pymemplan.traces.replay import parse_policy, replay
     from pymemplan.units import format_bytes, parse_bytes
@@ -1126,6 +1127,17 @@ def main() -> int:
                     trace, [r["policy"]], capacity=args.capacity, plans=trial)[0].reserved_over_live
                 r["plans_saved"] = int(obj.plans.splitlines()[2])
                 r["prologue_requests"] = int(obj.plans.split("\nprologue ")[1].split()[1])
+        # What reserved memory holds at each policy's peak (pymemplan replay --explain):
+        # memory no block uses (cached) is a different waste from free space that blocks in
+        # use keep (fragments).
+        for r in results:
+            if r["policy"].startswith("gmlake"):
+                continue  # its snapshots cannot be split (explain_peak)
+            why = explain_peak(trace, r["policy"], capacity=args.capacity, granularity=PAGE, top=0)
+            assert why.reserved_bytes == r["peak_reserved_bytes"], (name, r["policy"])
+            r["peak_split"] = {k: getattr(why, k) for k in (
+                "event", "live_bytes", "rounding_bytes", "pending_bytes", "cached_bytes",
+                "fragment_bytes", "long_lived_fragment_bytes", "partly_used", "unit")}
         # The largest capacity at which each policy still fails, and whether ours run at
         # the capacity where torch first fails.
         for r in results:
@@ -1286,6 +1298,23 @@ def main() -> int:
                 + [ratio(by[(n, p)]["reserved_over_live"]) for p in policies]
                 + [ratio(offline[n][1])]
                 + [ratio(by[(n, p)]["steady_reserved_over_live"]) for p in ours + others]))
+    print("\nWhat reserved memory holds above the live bytes at each policy's peak (pymemplan "
+          "replay --explain), summed over the traces: memory no block uses (cached: whole "
+          "free segments, or pages), free space that blocks in use keep (fragments; and of "
+          "those, beside blocks that live half the trace or more), and rounding:\n")
+    def split_row(p):
+        splits = [by[(n, p)]["peak_split"] for n in traces]
+        over = sum(by[(n, p)]["peak_reserved_bytes"] - sp["live_bytes"] for n, sp in zip(traces, splits))
+        def share(key):
+            return f"{sum(sp[key] for sp in splits) / over:.2f}" if over else "–"
+        return [short(p), format_bytes(over), share("cached_bytes"), share("fragment_bytes"),
+                share("long_lived_fragment_bytes"), share("rounding_bytes"), share("pending_bytes"),
+                str(sum(sp["cached_bytes"] > 0 for sp in splits))]
+    split_lines = ["| policy | above live | cached | fragments | long-lived fragments | rounding "
+                   "| pending | traces with cached memory |", "|" + "---|" * 8]
+    split_lines += ["| " + " | ".join(split_row(p)) + " |" for p in policies
+                    if p != "nocache" and not p.startswith("gmlake")]
+    print("\n".join(split_lines))
     print("\nThe largest capacity at which each policy still fails (smaller is better), "
           "device calls and replay speed:\n")
     cap = [p for p in policies if p != "nocache"]

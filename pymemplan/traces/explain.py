@@ -145,6 +145,9 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
     is the innermost frame of its stack outside PyTorch's own files, where the snapshot has
     stacks (``torch.cuda.memory._record_memory_history()`` records them).
 
+    Snapshots of the model of GMLake (``_core.Allocator(..., "gmlake")``) are not split right:
+    they show the pages lent to a stitched block as free (see `explain_peak`).
+
     Raises TraceError for a file that is not a snapshot, ValueError for a snapshot without
     segments on `device` or a bad `top`."""
     from .snapshot import load_snapshot_segments
@@ -205,10 +208,17 @@ def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granu
     `top`: how many holders of fragments to list (the most free bytes first).
 
     Raises TraceError for a trace that is not replayable, AllocatorError (a ValueError) for an
-    unknown policy or a bad config, ValueError for a bad `top` or plans for another policy."""
+    unknown policy or a bad config, ValueError for gmlake (whose snapshots cannot be split), a
+    bad `top` or plans for another policy."""
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     name, config = parse_policy(policy)
+    if name == "gmlake":
+        # Its snapshots show the pages it lends to a stitched block as free where they lie,
+        # and the stitch apart: which memory a stitch in use holds is not in them.
+        raise ValueError("explain_peak: the model of GMLake is for comparing peaks; its "
+                         "snapshots do not say which pages its stitched blocks hold, so its "
+                         "reserved memory cannot be split. Replay it without --explain.")
     if plans is not None and name != "pymemplan-planned":
         raise ValueError(f"plans are for pymemplan-planned, not {name}")
     cap, gran = parse_bytes(capacity), parse_bytes(granularity)
