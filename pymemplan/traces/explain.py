@@ -1,4 +1,4 @@
-"""Why a policy holds more memory than is live: its replay, stopped at its peak.
+"""What reserved memory holds beyond the live bytes: at a replay's peak, or in a snapshot.
 
 "Reserved but unallocated" is the number PyTorch's out-of-memory message ends with. At the
 moment reserved memory first reaches its peak, it splits exactly into:
@@ -17,17 +17,16 @@ free it: which tensors, from when, pin the memory.
 
 ``explain_snapshot`` does the same for a memory snapshot as it is, without a replay: PyTorch's
 own (``torch.cuda.memory._snapshot()``, taken at an out-of-memory error) or the plugin's
-(``pymemplan.memory_snapshot()``), naming where each block was allocated where the snapshot
+(``pymemplan.snapshot()``), naming where each block was allocated where the snapshot
 recorded stacks.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 from .. import _core
-import os
-
 from ..units import format_bytes, parse_bytes
 from .replay import parse_policy
 from .trace import ALLOC, FREE, Trace
@@ -138,7 +137,7 @@ def _lines(why, head: str, extra: list[str], describe) -> list[str]:
 
 def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplanation:
     """What reserved memory holds in `snapshot` on `device`: a snapshot dict
-    (``torch.cuda.memory._snapshot()``, ``pymemplan.memory_snapshot()``) or the path of a
+    (``torch.cuda.memory._snapshot()``, ``pymemplan.snapshot()``) or the path of a
     pickle of one (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
 
     The split is that of `explain_peak`, at the moment the snapshot was taken. A block's site
@@ -174,6 +173,8 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
                 requested += b.get("requested_size") or b["size"]
+                # A segment all of whose pages are another's (a GMLake stitch) adds no memory;
+                # a page shared by page sharing holds both addresses' blocks: both count.
                 if not seg.get("page_aliased") or not all(seg["page_aliased"]):
                     allocated += b["size"]
     pending, cached, units, paged = _layout(segments)
