@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 # The allocator's functions, re-exported lazily: `import pymemplan` must stay cheap and
 # must not import torch, which would be wasted for the replay tools and the CLI.
 _ALLOCATOR_API = frozenset({
-    "PluginError", "PluginLoadError", "active_config", "empty_cache", "enable", "is_enabled",
+    "PluginError", "PluginLoadError", "active_config", "empty_cache", "enable", "explain_memory",
+    "is_enabled",
     "is_out_of_memory", "last_error", "library_path", "load_plans", "mark_step",
     "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",

@@ -96,7 +96,8 @@ def test_a_partly_used_page_is_listed_with_the_block_that_keeps_it():
     (page,) = why.holders
     assert page.bytes == 2 * MiB and page.free_bytes == page.largest_free_bytes == MiB
     assert [(b.size, b.made_at, b.freed_at) for b in page.blocks] == [(3 * MiB, 0, None)]
-    text = "\n".join(why.lines())
+    text = str(why)
+    assert text == "\n".join(why.lines())
     assert "fragments 1.00 MiB (25.0%) in 1 partly used pages" in text, text
     assert "3.00 MiB made at event 0, alive to the end" in text, text
 

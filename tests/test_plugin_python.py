@@ -134,7 +134,8 @@ def test_missing_library_says_how_to_fix_it(monkeypatch, tmp_path):
     monkeypatch.setattr(_library, "_package_dirs", lambda: [str(tmp_path)])
     monkeypatch.setattr(_library, "_lib", None)
     for call in (pymemplan.memory_stats, pymemplan.empty_cache, pymemplan.snapshot,
-                 lambda: pymemplan.set_memory_limit("1GiB"), pymemplan.enable):
+                 pymemplan.explain_memory, lambda: pymemplan.set_memory_limit("1GiB"),
+                 pymemplan.enable):
         with pytest.raises(_library.PluginLoadError, match="libpymemplan_alloc.so is missing") as e:
             call()
         assert "reinstall" in str(e.value) and str(tmp_path) in str(e.value)
@@ -583,6 +584,9 @@ def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
         why = explain_snapshot({str(path)!r})  # what `pymemplan explain` reads
         assert why.reserved_bytes == pymemplan.memory_reserved(0) and why.live_bytes == 3 * MiB + 300
         assert explain_snapshot(one, device=1).live_bytes == 12 * MiB
+        live = pymemplan.explain_memory(1)  # the plugin's pool, read now
+        assert live.reserved_bytes == pymemplan.memory_reserved(1) and live.live_bytes == 12 * MiB
+        assert str(live).startswith("device 1: ") and "fragments" in str(live)
 
         summary = pymemplan.memory_summary()
         for row in ("device ID 0", "CUDA OOMs: 0", "Device allocs: 2", "Allocated memory",

@@ -33,6 +33,7 @@ from ._library import PluginError, PluginLoadError, library_path
 from ._oom import is_out_of_memory, oom_as_torch_error
 from ._stats import (
     empty_cache,
+    explain_memory,
     last_error,
     load_plans,
     mark_step,
@@ -58,6 +59,7 @@ __all__ = [
     "configure",
     "empty_cache",
     "enable",
+    "explain_memory",
     "is_enabled",
     "is_out_of_memory",
     "last_error",

@@ -240,6 +240,24 @@ def snapshot(device: Any = None) -> dict[str, Any]:
     return {"segments": segments, "device_traces": [[] for _ in range(max(devices) + 1)]}
 
 
+def explain_memory(device: Any = None):
+    """What reserved memory holds now on `device`: live, rounding, pending frees, cached,
+    fragments, and the segments or pages holding the most fragments
+    (pymemplan.traces.explain_snapshot). Of pymemplan's pool where it is in use, else of
+    PyTorch's own allocator once it has initialized CUDA. At an out-of-memory error,
+    ``print(pymemplan.explain_memory())`` says what "reserved but unallocated" is made of.
+
+    Raises ValueError where the device has no memory reserved."""
+    from ..traces.explain import explain_snapshot
+    from ._enable import is_enabled
+
+    index = device_index(device)
+    torch = sys.modules.get("torch")
+    if not is_enabled() and torch is not None and torch.cuda.is_initialized():
+        return explain_snapshot(torch.cuda.memory._snapshot(), device=index)
+    return explain_snapshot(snapshot(index), device=index)
+
+
 def save_snapshot(path: str | os.PathLike[str]) -> None:
     """Pickle snapshot() of every device to `path`, as torch.cuda.memory._dump_snapshot does.
 

@@ -66,6 +66,9 @@ class _Split:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
 
 @dataclass(kw_only=True)
 class PeakExplanation(_Split):
