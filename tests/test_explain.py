@@ -194,9 +194,13 @@ def _torch_snapshot():
     def block(address, size, state, requested=0, frames=()):
         return {"address": address, "size": size, "requested_size": requested, "state": state,
                 "frames": list(frames)}
-    frames = [{"filename": "/env/lib/python3.11/site-packages/torch/nn/functional.py",
+    frames = [{"filename": "??", "line": 0, "name": "unwind::unwind"},  # C++ first (stacks="all")
+              {"filename": "/opt/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 1000,
+               "name": "c10::cuda::CUDACachingAllocator::Native::malloc"},
+              {"filename": "/env/lib/python3.11/site-packages/torch/nn/functional.py",
                "line": 2256, "name": "linear"},
-              {"filename": "/home/me/train.py", "line": 42, "name": "forward"}]
+              {"filename": "/home/me/train.py", "line": 42, "name": "forward"},
+              {"filename": "/home/me/train.py", "line": 90, "name": "<module>"}]
     big = {"device": 0, "address": 0x100000000, "total_size": 20 * MiB, "segment_type": "large",
            "is_expandable": False, "frames": [],
            "blocks": [block(0x100000000, 6 * MiB, "active_allocated", 6 * MiB - 1000, frames),
@@ -271,3 +275,16 @@ def test_a_snapshot_of_the_core_is_split_as_its_stats_count(ops, policy):
     parts = (why.live_bytes, why.rounding_bytes, why.pending_bytes, why.cached_bytes,
              why.fragment_bytes)
     assert min(parts) >= 0 and sum(parts) == why.reserved_bytes, why
+
+
+def test_a_block_site_is_the_users_code_where_the_stack_has_it():
+    from pymemplan.traces.explain import _site
+
+    cpp = {"filename": "/opt/pytorch/c10/cuda/CUDACachingAllocator.cpp", "line": 7, "name": "malloc"}
+    torch_py = {"filename": "/env/site-packages/torch/nn/modules/linear.py", "line": 125,
+                "name": "forward"}
+    user = {"filename": "C:\\work\\train.py", "line": 3, "name": "step"}
+    assert _site([cpp, torch_py, user]) == "C:\\work\\train.py:3 (step)"
+    assert _site([cpp, torch_py]) == "/env/site-packages/torch/nn/modules/linear.py:125 (forward)"
+    assert _site([cpp]) == "/opt/pytorch/c10/cuda/CUDACachingAllocator.cpp:7 (malloc)"
+    assert _site([]) is None and _site(None) is None

@@ -193,13 +193,15 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
 
 
 def _site(frames) -> str | None:
-    """The innermost frame outside PyTorch's own files (the user's code), else the innermost."""
+    """Where a block was allocated: the innermost Python frame outside PyTorch's own files
+    (the user's code), else the innermost Python frame, else the innermost frame. Stacks are
+    innermost first; with C++ frames recorded (stacks="all"), those come first."""
     if not frames:
         return None
-    def outside(f: dict) -> bool:
-        name = str(f.get("filename", ""))
-        return bool(name) and not name.startswith("??") and f"{os.sep}torch{os.sep}" not in name
-    f = next((f for f in frames if outside(f)), frames[0])
+    python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    def torch_own(f: dict) -> bool:
+        return "torch" in str(f["filename"]).replace("\\", "/").split("/")
+    f = next((f for f in python if not torch_own(f)), python[0] if python else frames[0])
     return f"{f.get('filename', '?')}:{f.get('line', '?')} ({f.get('name', '?')})"
 
 
