@@ -144,7 +144,7 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
     pickle of one (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
 
     The split is that of `explain_peak`, at the moment the snapshot was taken. A block's site
-    is the innermost frame of its stack outside PyTorch's own files, where the snapshot has
+    is the innermost Python frame of its stack outside PyTorch's package, where the snapshot has
     stacks (``torch.cuda.memory._record_memory_history()`` records them).
 
     Snapshots of the model of GMLake (``_core.Allocator(..., "gmlake")``) are not split right:
