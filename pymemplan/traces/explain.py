@@ -238,7 +238,6 @@ def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granu
     action, ptr, size, stream = (trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
                                  trace.stream.tolist())
     live: dict[int, tuple[int | None, int, int]] = {}  # trace ptr -> (address, size, event)
-    live_bytes = 0
     stop = len(action) - 1
     for i, a in enumerate(action):
         if a == ALLOC:
@@ -247,12 +246,10 @@ def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granu
             except _core.OutOfMemoryError:
                 address = None  # refused, as the replay engine counts it; its free is skipped
             live[ptr[i]] = (address, size[i], i)
-            live_bytes += size[i]
         elif a == FREE:
-            address, s, _ = live.pop(ptr[i])
+            address, _, _ = live.pop(ptr[i])
             if address is not None:
                 alloc.free(address)
-            live_bytes -= s
         if alloc.reserved_bytes() >= peak:
             stop = i
             break
@@ -265,9 +262,7 @@ def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granu
     segments = alloc.snapshot()["segments"]
     pending, cached, units, paged = _layout(segments)
     n = len(action)
-    def long_lived(b: dict) -> bool:  # a block of a GMLake stitch is looked up whole, not by piece
-        if b["address"] not in by_address:
-            return True
+    def long_lived(b: dict) -> bool:
         made = by_address[b["address"]][1]
         return 2 * (freed_at.get(made, n) - made) >= n
     lasting = sum(free for _, _, free, _, blocks in units if all(long_lived(b) for b in blocks))
@@ -275,9 +270,8 @@ def explain_peak(trace: Trace, policy: str = "torch", *, capacity="80GiB", granu
     for address, nbytes, free, largest, blocks in units[:top]:
         held = []
         for b in blocks:
-            if b["address"] in by_address:
-                s, made = by_address[b["address"]]
-                held.append(HeldBlock(size=s, made_at=made, freed_at=freed_at.get(made)))
+            s, made = by_address[b["address"]]
+            held.append(HeldBlock(size=s, made_at=made, freed_at=freed_at.get(made)))
         holders.append(Holder(address, nbytes, free, largest, held))
     return PeakExplanation(
         trace=trace.name, policy=policy, event=stop, events=len(action), reserved_bytes=reserved,
