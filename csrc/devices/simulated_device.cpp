@@ -23,6 +23,16 @@ SimulatedDevice::SimulatedDevice(std::size_t capacity, std::size_t granularity,
                          " must be a power of two of at least 512 bytes");
   }
   if (capacity_ == 0) throw AllocatorError("simulated device: capacity must be positive");
+  // Policies with virtual memory keep a table entry per page of the device (an arena spans
+  // it): past this many pages those tables alone take gigabytes of host memory.
+  if (capacity_ / granularity_ > kMaxPages) {
+    throw AllocatorError("simulated device: capacity " + std::to_string(capacity) + " bytes is " +
+                         std::to_string(capacity_ / granularity_) + " pages of " +
+                         std::to_string(granularity) + " bytes; it models at most " +
+                         std::to_string(kMaxPages) + " pages (64 TiB of 2 MiB pages), whose "
+                         "tables live in host memory: give a smaller capacity or a larger "
+                         "granularity");
+  }
 }
 
 std::size_t SimulatedDevice::footprint(std::size_t bytes) const {

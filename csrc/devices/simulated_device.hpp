@@ -16,6 +16,8 @@ namespace pymemplan {
 
 class SimulatedDevice : public Device {
  public:
+  // The most pages (capacity / granularity) a simulated device may have.
+  static constexpr std::size_t kMaxPages = std::size_t{1} << 25;
   // auto_complete: events complete as soon as they are queried (an idle GPU); otherwise they
   // stay pending until complete_events() or a synchronize.
   explicit SimulatedDevice(std::size_t capacity, std::size_t granularity = 2 << 20,
