@@ -284,7 +284,7 @@ BASE, BIG = 0x7F3A00200000, 0x7F3A02000000
 
 
 def test_snapshot_sample():
-    t = read_snapshot_pickle(DATA / "snapshot_sample.pickle")
+    t = read_snapshot_pickle(DATA / "snapshot_sample.pickle", earlier="drop")
     assert t.meta["device"] == 0  # the device with the most events
     assert t.meta["devices"] == {0: 9, 1: 2}
     np.testing.assert_array_equal(
@@ -302,6 +302,72 @@ def test_snapshot_sample():
     assert t.stream[1] == 94_000_000_000_000
     assert t.time[0] == 0 and np.all(np.diff(t.time) > 0)
     t.validate()
+
+
+def test_snapshot_blocks_made_before_the_history_are_placed_at_its_start():
+    t = read_snapshot_pickle(DATA / "snapshot_sample.pickle")
+    # The 512 B block whose free opens the history was made before it: allocated first.
+    np.testing.assert_array_equal(
+        t.action, [ALLOC, FREE, ALLOC, ALLOC, ALLOC, FREE, ALLOC, ALLOC, ALLOC_FAILURE, FREE])
+    assert (t.ptr[0], t.size[0], t.time[0]) == (BASE - 0x200000, 512, 0)
+    assert t.meta["earlier_blocks"] == 1 and t.meta["earlier_bytes"] == 512
+    assert t.meta["dropped_frees"] == 0
+    t.validate()
+
+
+def _run_and_record(ops, keep):
+    """Runs `ops` (("a", addr, size) / ("f", addr)) and returns a snapshot whose history is
+    the last `keep` actions, with the blocks alive at the end in its segments, and the live
+    bytes after each action of the run."""
+    live, history, lives = {}, [], []
+    for k, op in enumerate(ops):
+        if op[0] == "a":
+            live[op[1]] = op[2]
+            history.append({"action": "alloc", "addr": op[1], "size": op[2], "stream": 0,
+                            "time_us": k})
+        else:
+            history.append({"action": "free_requested", "addr": op[1], "size": live[op[1]],
+                            "stream": 0, "time_us": k})
+            history.append({"action": "free_completed", "addr": op[1], "size": live.pop(op[1]),
+                            "stream": 0, "time_us": k})
+        lives.append(sum(live.values()))
+    blocks = [{"address": a, "size": -(-n // 512) * 512, "requested_size": n,
+               "state": "active_allocated"} for a, n in sorted(live.items())]
+    segment = {"device": 0, "address": 0, "total_size": 1 << 40, "stream": 0, "blocks": blocks}
+    return {"segments": [segment], "device_traces": [history[len(history) - keep:]]}, lives
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_history_that_begins_mid_run_holds_the_live_bytes_of_the_run(data):
+    """Placing the blocks made before the history gives, after every kept event, the live
+    bytes the run had then: its figures start from what the program held, not from zero."""
+    ops, live = [], set()
+    for _ in range(data.draw(st.integers(1, 40))):
+        if live and data.draw(st.booleans()):
+            a = data.draw(st.sampled_from(sorted(live)))
+            ops.append(("f", a))
+            live.discard(a)
+        else:
+            a = data.draw(st.integers(1, 24).map(lambda x: x << 20).filter(lambda x: x not in live))
+            ops.append(("a", a, data.draw(st.integers(1, 5000))))
+            live.add(a)
+    actions = sum(1 if op[0] == "a" else 2 for op in ops)  # a free is requested, then completed
+    snap, lives = _run_and_record(ops, data.draw(st.integers(0, actions)))
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "snap.pickle"
+        path.write_bytes(pickle.dumps(snap))
+        t = read_snapshot_pickle(path)
+    t.validate()
+    kept = [int(e["time_us"]) for e in snap["device_traces"][0] if e["action"] != "free_requested"]
+    earlier = t.meta["earlier_blocks"]
+    assert len(t) == earlier + len(kept)
+    # The blocks placed first hold what the run held before the first kept event.
+    first = kept[0] if kept else len(ops)
+    before = lives[first - 1] if first > 0 else 0
+    got = t.live_bytes()
+    assert t.meta["earlier_bytes"] == before and (not earlier or got[earlier - 1] == before)
+    np.testing.assert_array_equal(got[earlier:], [lives[k] for k in kept])
 
 
 @pytest.mark.parametrize("device", [1, "cuda:1", "1"])
@@ -324,7 +390,7 @@ def test_snapshot_gzipped_and_protocol_5(tmp_path):
     path = tmp_path / "snap.pickle.gz"
     path.write_bytes(gzip.compress(pickle.dumps(snap, protocol=5)))
     t = read_trace(path)
-    assert t.meta["format"] == "torch-snapshot" and len(t) == 8
+    assert t.meta["format"] == "torch-snapshot" and len(t) == 10
 
 
 def snapshot_file(tmp_path, events, extra_devices=()) -> Path:

@@ -14,8 +14,16 @@ We keep what the *program* asked for, not what the recorded allocator decided:
 * ``oom`` -> ALLOC_FAILURE (pointer 0; ``size`` is the request that failed).
 * ``segment_*``, ``snapshot``, ``annotate``: ignored (allocator decisions, markers).
 
-The ring buffer may begin mid-run: a ``free_completed`` of a block allocated before it
-is dropped and counted in ``meta["dropped_frees"]``. Blocks live at the end stay live.
+The history may begin mid-run: the ring buffer keeps the last ``max_entries`` actions, and
+recording often starts after the model is built. Blocks made before it are then still
+memory the program held. By default (``earlier="place"``) they are allocated at the
+history's start, in address order: those whose ``free_completed`` the history holds, and
+those the snapshot's ``segments`` show in use at an address the history never names (the
+weights, when recording began after the model was built); ``meta["earlier_blocks"]`` and
+``meta["earlier_bytes"]`` count them. Their order and placement before the history are not
+known, so a replay's layout of them is an estimate; the live bytes are exact.
+``earlier="drop"`` leaves them out (frees dropped and counted in ``meta["dropped_frees"]``).
+Blocks live at the end stay live.
 """
 
 from __future__ import annotations
@@ -92,15 +100,33 @@ def snapshot_devices(snap: dict) -> dict[int, int]:
 
 
 def read_snapshot_pickle(path: str | os.PathLike, device: int | str | None = None, *,
-                         name: str | None = None, data: bytes | None = None) -> Trace:
+                         name: str | None = None, data: bytes | None = None,
+                         earlier: str = "place") -> Trace:
     """Read one device's allocation trace from a ``torch.cuda.memory._dump_snapshot`` pickle.
 
     ``device``: an index (``1``) or ``"cuda:1"``; by default the device with the most
     allocation events. Times are seconds from the device's first kept event
     (``meta["time_origin_us"]`` holds that event's ``time_us``). ``data``: the file's
-    content when the caller has already read it.
+    content when the caller has already read it. ``earlier``: "place" (default) or "drop",
+    what to do with blocks made before the history began (see the module's docstring).
     """
+    if earlier not in ("place", "drop"):
+        raise ValueError(f"earlier must be 'place' or 'drop', got {earlier!r}")
     snap = load_snapshot(path, data)
+    return snapshot_trace(snap, device, name=name or trace_name(path), earlier=earlier,
+                          where=str(path))
+
+
+def snapshot_trace(snap: dict, device: int | str | None = None, *, name: str = "snapshot",
+                   earlier: str = "place", where: str = "snapshot") -> Trace:
+    """read_snapshot_pickle for a snapshot dict already loaded (``load_snapshot``, or
+    ``torch.cuda.memory._snapshot()``); `where` names it in error messages."""
+    if earlier not in ("place", "drop"):
+        raise ValueError(f"earlier must be 'place' or 'drop', got {earlier!r}")
+    if not isinstance(snap, dict) or not isinstance(snap.get("device_traces"), list):
+        raise TraceError(f"{where}: not a PyTorch memory snapshot with allocation history (no "
+                         f"'device_traces' list)")
+    path = where
     traces = snap["device_traces"]
     counts = snapshot_devices(snap)
     if device is None:
@@ -118,7 +144,9 @@ def read_snapshot_pickle(path: str | os.PathLike, device: int | str | None = Non
             have = ", ".join(f"{d} ({n} events)" for d, n in counts.items()) or "none with events"
             raise TraceError(f"{path}: no device {device!r} in the snapshot; it has "
                              f"{len(traces)} device trace(s): {have}")
-    return _device_trace(path, traces[dev], dev, counts, name or trace_name(path))
+    segments = snap.get("segments") if earlier == "place" else None
+    return _device_trace(path, traces[dev], dev, counts, name,
+                         segments if isinstance(segments, list) else None, earlier == "place")
 
 
 def _device_index(device) -> int:
@@ -133,7 +161,8 @@ def _device_index(device) -> int:
     raise TraceError(f"device must be an index or 'cuda:N', got {device!r}")
 
 
-def _device_trace(path, events: list, dev: int, counts: dict, name: str) -> Trace:
+def _device_trace(path, events: list, dev: int, counts: dict, name: str,
+                  segments: list | None = None, place_earlier: bool = False) -> Trace:
     actions, ptrs, sizes, streams, times, source_index = [], [], [], [], [], []
     where = f"{path}: device {dev}"
     for i, e in enumerate(events):
@@ -167,11 +196,29 @@ def _device_trace(path, events: list, dev: int, counts: dict, name: str) -> Trac
         times.append(t)
         source_index.append(i)
 
+    earlier = []
+    if place_earlier:
+        earlier = _earlier_blocks(actions, ptrs, sizes, streams, segments or [], dev, where)
+        if earlier:
+            first = times[0] if times else 0
+            actions[:0] = [ALLOC] * len(earlier)
+            ptrs[:0] = [b[0] for b in earlier]
+            sizes[:0] = [b[1] for b in earlier]
+            streams[:0] = [b[2] for b in earlier]
+            times[:0] = [first] * len(earlier)
+            source_index[:0] = [None] * len(earlier)
+
     action = np.array(actions, dtype=np.uint8)
     ptr = np.array(ptrs, dtype=np.int64)
     size = np.array(sizes, dtype=np.int64)
-    at = lambda k: f"{where}, event {source_index[k]}"  # noqa: E731
-    pairing = pair_events(action, ptr, size, at, refer=lambda k: f"event {source_index[k]}",
+
+    def at(k):
+        if source_index[k] is None:
+            return f"{where}, a block made before the history began at {ptrs[k]:#x}"
+        return f"{where}, event {source_index[k]}"
+    pairing = pair_events(action, ptr, size, at,
+                          refer=lambda k: "the history's start" if source_index[k] is None
+                          else f"event {source_index[k]}",
                           drop_unknown_frees=True)
     keep = pairing.keep
     time_us = np.array(times, dtype=np.float64)[keep]
@@ -182,10 +229,50 @@ def _device_trace(path, events: list, dev: int, counts: dict, name: str) -> Trac
         "dropped_frees": pairing.dropped_frees,
         "dropped_free_bytes": pairing.dropped_free_bytes,
         "zero_size_allocs": pairing.zero_size_allocs,
+        "earlier_blocks": len(earlier), "earlier_bytes": sum(b[1] for b in earlier),
     }
     return Trace(action[keep], ptr[keep], pairing.size[keep],
                  np.array(streams, dtype=np.int64)[keep], (time_us - origin) / 1e6,
                  name=name, meta=meta)
+
+
+# States of a block a tensor still uses (PyTorch's snapshot says "active_pending_free" for
+# one freed while streams may still use it; its docs say "active_awaiting_free").
+_IN_USE = {"active_allocated", "active_pending_free", "active_awaiting_free"}
+
+
+def _earlier_blocks(actions, ptrs, sizes, streams, segments, dev, where):
+    """(address, size, stream) of the blocks made before the history began, in address
+    order: those it frees without having made them, and those the snapshot's segments
+    show in use at an address it never names."""
+    open_, named, out = set(), set(), {}
+    for a, p, s, st in zip(actions, ptrs, sizes, streams):
+        named.add(p)
+        if a == ALLOC and s > 0:
+            open_.add(p)
+        elif a == FREE:
+            if p in open_:
+                open_.discard(p)
+            elif p not in out and s > 0:
+                out[p] = (p, s, st)
+    for k, seg in enumerate(segments):
+        if not isinstance(seg, dict) or seg.get("device", dev) != dev:
+            continue
+        blocks = seg.get("blocks")
+        if not isinstance(blocks, list):
+            raise TraceError(f"{where}: segment {k} of the snapshot has no 'blocks' list")
+        for b in blocks:
+            if not isinstance(b, dict) or b.get("state") not in _IN_USE:
+                continue
+            addr = b.get("address")
+            size = b.get("requested_size") or b.get("size")
+            if not isinstance(addr, int) or not isinstance(size, int) or size <= 0:
+                raise TraceError(f"{where}: segment {k} has a block in use without an integer "
+                                 f"'address' and a positive 'size': {b!r:.120}")
+            if addr not in named:
+                stream = seg.get("stream", 0)
+                out[addr] = (addr, size, stream if isinstance(stream, int) else 0)
+    return sorted(out.values())
 
 
 def _int_field(e: dict, key: str, where: str, i: int, default=None) -> int:
@@ -197,3 +284,44 @@ def _int_field(e: dict, key: str, where: str, i: int, default=None) -> int:
     if v > 2**63 - 1:
         raise TraceError(f"{where}, event {i}: {key!r} {v} does not fit in 64 signed bits")
     return v
+
+
+_GROWS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def snapshot_oom_capacity(snap: dict, device: int) -> tuple[int, int, int] | None:
+    """(capacity, reserved, free) at the device's last out-of-memory error in the history:
+    the memory PyTorch could have had then, as what it had reserved (the snapshot's segments,
+    less the segments made and plus those given back since) and what the driver reported
+    free (the "oom" entry's ``device_free``). None where the history has no OOM or no
+    segments to count from."""
+    events = snap["device_traces"][device] if 0 <= device < len(snap["device_traces"]) else []
+    last = max((i for i, e in enumerate(events)
+                if isinstance(e, dict) and e.get("action") == "oom"), default=None)
+    segments = [s for s in snap.get("segments") or []
+                if isinstance(s, dict) and s.get("device", 0) == device]
+    if last is None or not segments:
+        return None
+    free = events[last].get("device_free")
+    if not isinstance(free, int) or isinstance(free, bool) or free < 0:
+        return None
+    reserved = sum(int(s.get("total_size", 0)) for s in segments)
+    for e in events[last + 1:]:
+        sign = _GROWS.get(e.get("action")) if isinstance(e, dict) else None
+        if sign and isinstance(e.get("size"), int):
+            reserved -= sign * e["size"]
+    return reserved + free, reserved, free
+
+
+def snapshot_allocator_conf(snap: dict) -> str | None:
+    """The PYTORCH_CUDA_ALLOC_CONF the recorded run's allocator had, from the snapshot's
+    ``allocator_settings`` (PyTorch 2.5 and later write them); None where it has none."""
+    settings = snap.get("allocator_settings")
+    if not isinstance(settings, dict):
+        return None
+    conf = settings.get("PYTORCH_CUDA_ALLOC_CONF")
+    if isinstance(conf, str) and conf.strip():
+        return conf
+    if settings.get("expandable_segments") is True:
+        return "expandable_segments:True"
+    return ""
