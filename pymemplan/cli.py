@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .units import format_bytes
@@ -96,17 +97,36 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from .traces import TraceError, explain_snapshot
+    from .traces.fit import snapshot_fit
+    from .traces.snapshot import load_snapshot_segments
 
+    fit = hint = None
     try:
-        why = explain_snapshot(args.snapshot, device=args.device, top=args.top)
+        snap = load_snapshot_segments(args.snapshot)
+        why = explain_snapshot(snap, device=args.device, top=args.top)
+        if args.compare:
+            history = snap.get("device_traces")
+            if isinstance(history, list) and args.device < len(history) and history[args.device]:
+                fit = snapshot_fit(snap, device=args.device, capacity=args.capacity,
+                                   policies=args.policy, name=os.path.basename(args.snapshot))
+            else:
+                hint = ("No allocation history in the snapshot: record it with "
+                        "torch.cuda.memory._record_memory_history(max_entries=100000) before "
+                        "the run, and this command also replays its requests under other "
+                        "allocators, to tell which would have fit.")
     except (TraceError, ValueError, OSError) as e:
         print(f"pymemplan explain: {e}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump(why.to_dict(), sys.stdout, indent=2)
+        out = why.to_dict()
+        out["fit"] = None if fit is None else fit.to_dict()
+        json.dump(out, sys.stdout, indent=2)
         print()
-    else:
-        print("\n".join(why.lines()))
+        return 0
+    print("\n".join(why.lines()))
+    if fit is not None or hint:
+        print()
+        print("\n".join(fit.lines()) if fit is not None else hint)
     return 0
 
 
@@ -213,11 +233,25 @@ def main(argv: list[str] | None = None) -> int:
                     "torch.cuda.memory._dump_snapshot, at an out-of-memory error say, or by "
                     "pymemplan.save_snapshot): live, rounding, pending frees, cached, and "
                     "fragments, with the segments or pages that hold the most fragments and "
-                    "where the blocks that keep them were allocated.")
+                    "where the blocks that keep them were allocated. Where the snapshot has "
+                    "allocation history, its requests (those that failed asked again) are "
+                    "replayed under PyTorch's allocator as the run had it and under the "
+                    "others, on the device's memory: which would have fit, and the smallest "
+                    "device each needs.")
     ep.add_argument("snapshot", metavar="SNAPSHOT")
     ep.add_argument("--device", type=int, default=0, help="device index (default 0)")
     ep.add_argument("--top", type=int, default=5,
                     help="segments or pages to list, the most fragments first (default 5)")
+    ep.add_argument("--capacity", default=None,
+                    help="the device's memory for the program, to tell which allocators would "
+                         "have fit its requests (default: what PyTorch had at the history's "
+                         "last out-of-memory error, reserved plus free)")
+    ep.add_argument("--policy", action="append", default=None,
+                    help="an allocator to replay the history under (repeat; default: PyTorch's "
+                         "as the run had it, with expandable segments, pymemplan, "
+                         "pymemplan-vmm, pymemplan-planned)")
+    ep.add_argument("--no-compare", dest="compare", action="store_false",
+                    help="only split the snapshot's memory; do not replay its history")
     ep.add_argument("--json", action="store_true", help="print JSON instead of text")
     ep.set_defaults(func=_explain)
     from .planner.cli import add_parser as _add_trace_parser  # torch is imported only to trace

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..planner.errors import PlannerError
+from ..traces.replay import torch_policy_from_conf  # noqa: F401  (also this module's API)
 from ..units import format_bytes, parse_bytes
 
 TECHNIQUES = ("precision", "batch", "accumulation", "checkpoint", "allocator", "optimizer",
@@ -75,37 +76,6 @@ def _optimizer_factory(name: str):
             return None
         return bitsandbytes.optim.AdamW8bit
     raise AssertionError(name)
-
-
-# PYTORCH_CUDA_ALLOC_CONF keys the torch model follows; others are reported as left out.
-_MODELLED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-                  "expandable_segments")
-
-
-def torch_policy_from_conf(conf: str | None) -> tuple[str, list[str]]:
-    """The replay policy for PyTorch's allocator as ``PYTORCH_CUDA_ALLOC_CONF=conf`` sets it
-    ("torch" or "torch=key:value,..."), and the settings the model leaves out (e.g.
-    ``garbage_collection_threshold``, or ``backend:cudaMallocAsync``, another allocator).
-    Raises ValueError for a value the model rejects, naming the variable."""
-    from .. import _core
-    from ..traces.replay import parse_policy
-
-    from ..allocator._config import split_items
-
-    kept, left = [], []
-    for item in split_items(conf or ""):
-        key, _, value = item.strip().partition(":")
-        if key.strip():
-            if key.strip() in _MODELLED_KEYS:
-                kept.append(f"{key.strip()}:{value.strip()}")
-            else:
-                left.append(item.strip())
-    policy = "torch=" + ",".join(kept) if kept else "torch"
-    try:
-        parse_policy(policy)
-    except _core.AllocatorError as e:  # names the bad key or value, and the valid ones
-        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF={conf!r}: {e}") from None
-    return policy, left
 
 
 @dataclass(frozen=True)

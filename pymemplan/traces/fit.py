@@ -1,0 +1,297 @@
+"""Would the same requests have fit under another allocator?
+
+An out-of-memory error is a verdict on a request *and* an allocator: the same program may
+have run under another one, or under PyTorch's with other settings. Given the requests (a
+trace; for a snapshot, its history with the blocks made before it placed first), each
+policy is replayed on a simulated device of the capacity the program had, with the
+requests that failed asked again, and on devices of every size down to the smallest that
+holds its requests:
+
+    fit = compare_fit(read_trace("oom.pickle"), capacity="79GiB")
+    print(fit)        # a row per allocator: peak reserved, smallest device, fits or not
+
+A failed request is asked again where it failed, and freed at once: the recorded program
+stopped there (or went another way), so nothing says how long it would have lived; the
+verdict is about the requests the program made, that one included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .. import _core
+from ..units import format_bytes, parse_bytes
+from .replay import parse_policy
+from .trace import ALLOC, ALLOC_FAILURE, FREE, Trace
+
+# The most pages a simulated device models (simulated_device.hpp: kMaxPages).
+_MAX_PAGES = 1 << 25
+
+# What users pick between, besides the recorded allocator.
+OTHER_POLICIES = ("torch=expandable_segments:True", "pymemplan", "pymemplan-vmm",
+                  "pymemplan-planned")
+
+
+@dataclass
+class AllocatorFit:
+    """One allocator's verdict on a trace's requests."""
+    policy: str                 # a replay policy ("torch=expandable_segments:True", ...)
+    peak_reserved_bytes: int    # with memory to spare
+    # The smallest device (a multiple of the granularity) found to hold every request, by
+    # bisection between the live peak and peak_reserved_bytes; failing is not monotone in
+    # the capacity for every allocator, so a smaller one may happen to run too. None: not
+    # even the largest device the simulation models (64 TiB of 2 MiB pages) holds them.
+    smallest_device_bytes: int | None
+    ooms: int | None = None     # requests refused on the device of `capacity_bytes`
+    fits: bool | None = None    # all served there; None where no capacity is known
+
+
+@dataclass
+class FitComparison:
+    """Every allocator's verdict on one trace (compare_fit)."""
+    trace: str
+    events: int
+    peak_live_bytes: int        # the lower bound: no allocator holds less
+    capacity_bytes: int | None
+    capacity_source: str        # where the capacity comes from, in words
+    failed_requests: int        # requests the recorded allocator refused, asked again here
+    rows: list[AllocatorFit] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        where = ("" if self.capacity_bytes is None else
+                 f" on a device of {format_bytes(self.capacity_bytes)} ({self.capacity_source})")
+        asked = (f", the {self.failed_requests:,} that failed asked again"
+                 if self.failed_requests else "")
+        out = [f"{self.trace}: the same {self.events:,} events{asked}, under each allocator{where}:"]
+        width = max(len(r.policy) for r in self.rows) if self.rows else 10
+        for r in self.rows:
+            verdict = "" if r.fits is None else (
+                "  fits" if r.fits else f"  does not fit ({r.ooms:,} request(s) refused)")
+            runs = ("no device" if r.smallest_device_bytes is None
+                    else format_bytes(r.smallest_device_bytes))
+            out.append(f"  {r.policy:<{width}}  peak reserved {format_bytes(r.peak_reserved_bytes):>11}"
+                       f"  runs on {runs:>11}{verdict}")
+        out.append(f"  {'live bytes':<{width}}  peak          {format_bytes(self.peak_live_bytes):>11}"
+                   "  (no allocator holds less)")
+        out.extend(f"  {n}" for n in self.notes)
+        return out
+
+
+def retry_failures(trace: Trace) -> Trace:
+    """The trace with each refused request (ALLOC_FAILURE) asked again, and freed at once,
+    under a pointer no other block has."""
+    fail = np.flatnonzero(trace.action == ALLOC_FAILURE)
+    if not len(fail):
+        return trace
+    n = len(trace) + len(fail)
+    # Each failure i becomes two events: an allocation at its place, its free right after.
+    at = np.arange(len(trace)) + np.searchsorted(fail, np.arange(len(trace)), side="left")
+    fresh = (int(trace.ptr.max(initial=0)) + 1 + np.arange(len(fail))).astype(np.int64)
+    action = np.empty(n, np.uint8)
+    ptr = np.empty(n, np.int64)
+    size = np.empty(n, np.int64)
+    stream = np.empty(n, np.int64)
+    time = np.empty(n, np.float64)
+    for col, src in ((action, trace.action), (ptr, trace.ptr), (size, trace.size),
+                     (stream, trace.stream), (time, trace.time)):
+        col[at] = src
+    alloc_at = at[fail]
+    action[alloc_at], ptr[alloc_at] = ALLOC, fresh
+    action[alloc_at + 1], ptr[alloc_at + 1] = FREE, fresh
+    for col, src in ((size, trace.size), (stream, trace.stream), (time, trace.time)):
+        col[alloc_at + 1] = src[fail]
+    return Trace(action, ptr, size, stream, time, name=trace.name, meta=dict(trace.meta))
+
+
+def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | None = None,
+                granularity="2MiB", capacity_source: str = "given",
+                smallest: bool = True) -> FitComparison:
+    """Each allocator's verdict on `trace`'s requests, the refused ones asked again.
+
+    `capacity`: the device's memory for the program (bytes or "79GiB"); with it, each row
+    says whether every request is served on it. `policies`: replay policies (default: the
+    `recorded` one, PyTorch's as the run had it, e.g. "torch=expandable_segments:True",
+    then PyTorch's with expandable segments, pymemplan, pymemplan-vmm and
+    pymemplan-planned). Each row also has the smallest device that holds every request
+    (`smallest`; else None: a dozen replays fewer each).
+
+    Raises ValueError for a bad policy or capacity, TraceError for a malformed trace."""
+    cap = None if capacity is None else parse_bytes(capacity)
+    if cap is not None and cap <= 0:
+        raise ValueError(f"capacity must be > 0 bytes, got {capacity!r}")
+    gran = parse_bytes(granularity)
+    if policies is None:
+        policies = [recorded or "torch"]
+        policies += [p for p in OTHER_POLICIES if p not in policies]
+    parsed = []
+    for spec in policies:
+        try:
+            parsed.append((spec, *parse_policy(spec)))
+        except _core.AllocatorError as e:
+            raise ValueError(f"policy {spec!r}: {e}") from None
+    trace.validate()
+    failed = int((trace.action == ALLOC_FAILURE).sum())
+    asked = retry_failures(trace)
+    live = asked.peak_live_bytes()
+
+    def run(name, config, capacity_bytes):
+        try:
+            return _core.replay(asked.action, asked.ptr, asked.size, asked.stream, name, config,
+                                capacity_bytes, gran)
+        except _core.AllocatorError as e:  # a capacity or granularity the device cannot model
+            raise ValueError(str(e)) from None
+
+    # Memory to spare: more than any allocator reserves for these requests (a segment or
+    # page per request at most, over twice the live peak).
+    ample = max(2 * live + int(asked.size.max(initial=0)) + 64 * gran, 1 << 30)
+    ample = min(-(-ample // gran) * gran, _MAX_PAGES * gran)
+    out = FitComparison(trace=trace.name, events=len(trace), peak_live_bytes=live,
+                        capacity_bytes=cap, capacity_source=capacity_source if cap else "",
+                        failed_requests=failed)
+    for spec, name, config in parsed:
+        spare = run(name, config, ample)
+        reserved = spare["peak_reserved_bytes"]
+        least = None if spare["ooms"] or not smallest else _smallest_device(
+            lambda c: run(name, config, c)["ooms"] == 0, live, reserved, gran, ample)
+        row = AllocatorFit(spec, reserved, least)
+        if cap is not None:
+            row.ooms = run(name, config, cap)["ooms"]
+            row.fits = row.ooms == 0
+        out.rows.append(row)
+    rec = out.rows[0] if out.rows else None
+    if cap is not None and failed and rec is not None and rec.fits and recorded is not None:
+        out.notes.append(
+            f"The model of the recorded allocator ({rec.policy}) serves every request on this "
+            f"device, where the run failed: memory outside these blocks was in use (another "
+            f"memory pool, CUDA graphs, NCCL, other processes), or the capacity is "
+            f"overstated. Give the device's memory as the capacity to compare.")
+    if trace.meta.get("earlier_blocks"):
+        out.notes.append(
+            f"{trace.meta['earlier_blocks']:,} block(s) ({format_bytes(trace.meta['earlier_bytes'])}) "
+            f"were made before the history began; they are placed first, in address order, so "
+            f"how they lie is an estimate (their bytes are exact).")
+    return out
+
+
+def _smallest_device(runs, live: int, reserved: int, gran: int, ample: int) -> int:
+    """The smallest multiple of `gran` found by bisection at which runs(capacity) holds,
+    between the live peak (below which nothing runs) and `reserved` (the peak with memory to
+    spare, at which it runs, unless a limit changes the allocator's course: then above)."""
+    lo = max(live - 1, 0) // gran * gran  # below the live peak: nothing runs
+    hi = max(-(-reserved // gran) * gran, lo + gran)
+    while not runs(hi):
+        if hi >= ample:
+            return ample
+        lo, hi = hi, min(hi + 2 * (hi - lo), ample)
+    while hi - lo > gran:  # invariant: not runs(lo), runs(hi)
+        mid = (lo + hi) // 2 // gran * gran
+        if runs(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies=None,
+                 granularity="2MiB", name: str | None = None) -> FitComparison:
+    """compare_fit over a snapshot's allocation history (a dict, as
+    ``torch.cuda.memory._snapshot()`` returns, or the path of a pickle of one), with the
+    blocks made before the history placed first.
+
+    The recorded allocator is PyTorch's as the snapshot's ``allocator_settings`` say it was
+    set (PyTorch 2.5 and later record them; else its defaults). `capacity`, if not given, is
+    what PyTorch could have had at the history's last out-of-memory error: what it had
+    reserved then, plus what the driver reported free. `device`: by default the device with
+    the most allocation events.
+
+    Raises TraceError where the snapshot has no allocation history on the device (record it
+    with ``torch.cuda.memory._record_memory_history()``), ValueError for bad arguments.
+    `name` names the trace in the text (default: the file's name)."""
+    import os
+
+    from .replay import torch_policy_from_conf
+    from .snapshot import (load_snapshot, snapshot_allocator_conf, snapshot_oom_capacity,
+                           snapshot_trace)
+    from .trace import TraceError
+
+    if isinstance(snapshot, (str, os.PathLike)):
+        where = str(snapshot)
+        snap = load_snapshot(snapshot)
+    else:
+        where, snap = "snapshot", snapshot
+    trace = snapshot_trace(snap, device, name=name or os.path.basename(where), where=where)
+    dev = trace.meta["device"]
+    if not trace.meta["devices"].get(dev):
+        raise TraceError(f"{where}: no allocation history on device {dev}: record it with "
+                         f"torch.cuda.memory._record_memory_history(max_entries=...) before the "
+                         f"run, so that its requests can be replayed under other allocators")
+    conf = snapshot_allocator_conf(snap)
+    recorded, left = torch_policy_from_conf(conf)
+    source = "given"
+    if capacity is None:
+        at_oom = snapshot_oom_capacity(snap, dev)
+        if at_oom is not None:
+            capacity = at_oom[0]
+            source = (f"at the out-of-memory error: {format_bytes(at_oom[1])} reserved + "
+                      f"{format_bytes(at_oom[2])} free")
+    fit = compare_fit(trace, capacity=capacity, policies=policies, recorded=recorded,
+                      granularity=granularity, capacity_source=source)
+    if conf is None:
+        fit.notes.append("The snapshot does not say how PyTorch's allocator was set (PyTorch "
+                         "before 2.5): its defaults are assumed for the recorded run.")
+    if left:
+        fit.notes.append(f"Settings of the recorded run the model of PyTorch's allocator leaves "
+                         f"out: {', '.join(left)}.")
+    return fit
+
+
+def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
+                 conf: str = "") -> tuple[dict, int]:
+    """The snapshot PyTorch would dump at the first out-of-memory error of `trace` run on a
+    device of `capacity` bytes, as the model of its allocator (PYTORCH_CUDA_ALLOC_CONF=`conf`)
+    runs it: segments and blocks in ``torch.cuda.memory._snapshot()``'s format, and the
+    allocation history of the last `keep` entries (all by default; PyTorch keeps
+    ``max_entries``), ending with the "oom" entry. For testing and measuring what a snapshot
+    tells, where no GPU is at hand. Also returns the event of `trace` that failed.
+    Raises ValueError where the trace runs on that device."""
+    from .replay import parse_policy
+
+    cap = parse_bytes(capacity)
+    name, config = parse_policy("torch=" + conf if conf else "torch")
+    dev = _core.SimulatedDevice(cap)
+    alloc = _core.Allocator(dev, name, config)
+    history, addr = [], {}
+    rows = zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
+               trace.stream.tolist())
+    for i, (a, p, s, stream) in enumerate(rows):
+        if a == ALLOC:
+            try:
+                addr[p] = alloc.malloc(s, stream)
+            except _core.OutOfMemoryError:
+                history.append({"action": "oom", "size": s, "stream": stream, "time_us": i,
+                                "device_free": cap - alloc.reserved_bytes()})
+                break
+            history.append({"action": "alloc", "addr": addr[p], "size": s, "stream": stream,
+                            "time_us": i})
+        elif a == FREE:
+            where = addr.pop(p)
+            alloc.free(where)
+            history.append({"action": "free_completed", "addr": where, "size": s,
+                            "stream": stream, "time_us": i})
+    else:
+        raise ValueError(f"{trace.name} runs on {format_bytes(cap)} under {name}: no "
+                         f"out-of-memory error to take a snapshot at")
+    snap = alloc.snapshot()
+    snap["device_traces"] = [history if keep is None else history[max(len(history) - keep, 0):]]
+    snap["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": conf,
+                                  "expandable_segments": "expandable_segments:True" in conf}
+    return snap, i

@@ -1,0 +1,179 @@
+"""Would the same requests have fit under another allocator (pymemplan.traces.fit), and
+`pymemplan explain` on a snapshot of an out-of-memory error."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pymemplan import _core
+from pymemplan.cli import main
+from pymemplan.traces import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError, read_trace
+from pymemplan.traces.fit import compare_fit, retry_failures, snapshot_fit
+
+DATA = Path(__file__).parent / "data"
+MiB = 1 << 20
+
+
+def _trace(rows, name="t"):
+    return Trace.from_events([(a, p, s, 0, float(i)) for i, (a, p, s) in enumerate(rows)], name=name)
+
+
+def test_a_refused_request_is_asked_again_where_it_failed_and_freed_at_once():
+    t = _trace([(ALLOC, 1, 100), (ALLOC_FAILURE, 0, 5 * MiB), (FREE, 1, 100),
+                (ALLOC_FAILURE, 0, 7 * MiB)])
+    r = retry_failures(t)
+    assert r.action.tolist() == [ALLOC, ALLOC, FREE, FREE, ALLOC, FREE]
+    assert r.size.tolist() == [100, 5 * MiB, 5 * MiB, 100, 7 * MiB, 7 * MiB]
+    assert r.ptr[1] == r.ptr[2] != r.ptr[4] == r.ptr[5] and r.ptr[1] not in (0, 1)
+    assert r.time.tolist() == [0, 1, 1, 2, 3, 3]
+    r.validate()
+    assert r.peak_live_bytes() == 7 * MiB
+    assert retry_failures(_trace([(ALLOC, 1, 8)])).action.tolist() == [ALLOC]
+
+
+@st.composite
+def _programs(draw):
+    rows, live, nxt = [], [], 1
+    for _ in range(draw(st.integers(1, 60))):
+        if live and draw(st.integers(0, 2)) == 0:
+            p = live.pop(draw(st.integers(0, len(live) - 1)))
+            rows.append((FREE, p, 0))
+        elif draw(st.integers(0, 9)) == 0:
+            rows.append((ALLOC_FAILURE, 0, draw(st.integers(1, 40)) * MiB))
+        else:
+            rows.append((ALLOC, nxt, draw(st.sampled_from([512, 4096, 300_000, MiB + 7, 3 * MiB, 25 * MiB]))))
+            live.append(nxt)
+            nxt += 1
+    return _trace(rows)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_programs(), st.integers(8, 200))
+def test_each_verdict_is_what_a_replay_on_that_device_does(trace, capacity_mib):
+    fit = compare_fit(trace, capacity=capacity_mib * MiB)
+    asked = retry_failures(trace)
+    assert fit.peak_live_bytes == asked.peak_live_bytes()
+    assert fit.failed_requests == int((trace.action == ALLOC_FAILURE).sum())
+    assert [r.policy for r in fit.rows][:2] == ["torch", "torch=expandable_segments:True"]
+    for row in fit.rows:
+        name, _, config = row.policy.partition("=")
+
+        def ooms(cap):
+            return _core.replay(asked.action, asked.ptr, asked.size, asked.stream, name, config,
+                                cap, 2 * MiB)["ooms"]
+
+        assert row.fits == (row.ooms == 0) and row.ooms == ooms(capacity_mib * MiB)
+        # The smallest device found holds every request, one page less does not, and none
+        # holds less than the live bytes.
+        assert ooms(row.smallest_device_bytes) == 0
+        assert row.smallest_device_bytes == 2 * MiB or ooms(row.smallest_device_bytes - 2 * MiB) > 0
+        assert row.smallest_device_bytes >= fit.peak_live_bytes
+        assert row.peak_reserved_bytes >= fit.peak_live_bytes
+
+
+def test_bad_arguments_are_refused_with_what_was_wrong():
+    t = _trace([(ALLOC, 1, MiB)])
+    with pytest.raises(ValueError, match="policy 'bogus'.*valid policies"):
+        compare_fit(t, policies=["bogus"])
+    with pytest.raises(ValueError, match="capacity must be > 0"):
+        compare_fit(t, capacity=0)
+    with pytest.raises(ValueError, match="at most 33554432 pages"):
+        compare_fit(t, capacity="100TiB")
+    with pytest.raises(TraceError, match="not live"):
+        compare_fit(_trace([(FREE, 1, 8)]))
+
+
+def _run_to_oom(trace, capacity, keep, settings=None):
+    """Replays `trace` under the model of PyTorch's allocator on a device of `capacity` until a
+    request fails, as a program that records its allocation history (the last `keep`
+    entries) would, and returns the snapshot PyTorch dumps then, and the failed request."""
+    alloc = _core.Allocator(_core.SimulatedDevice(capacity), "torch", "")
+    history, addr = [], {}
+    for i, (a, p, s) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist())):
+        if a == ALLOC:
+            try:
+                addr[p] = alloc.malloc(s)
+            except _core.OutOfMemoryError:
+                history.append({"action": "oom", "size": s, "stream": 0, "time_us": i,
+                                "device_free": capacity - alloc.reserved_bytes()})
+                break
+            history.append({"action": "alloc", "addr": addr[p], "size": s, "stream": 0, "time_us": i})
+        elif a == FREE:
+            alloc.free(addr[p])
+            history.append({"action": "free_completed", "addr": addr.pop(p), "size": s,
+                            "stream": 0, "time_us": i})
+    else:
+        raise AssertionError(f"the trace runs on {capacity} bytes")
+    snap = alloc.snapshot()
+    snap["device_traces"] = [history[-keep:]]
+    snap["allocator_settings"] = settings or {"PYTORCH_CUDA_ALLOC_CONF": "", "expandable_segments": False}
+    return snap, s
+
+
+def _between(trace):
+    """A capacity on which PyTorch's allocator fails the trace and pymemplan-vmm runs it."""
+    fit = compare_fit(trace, policies=["torch", "pymemplan-vmm"])
+    torch, vmm = (r.smallest_device_bytes for r in fit.rows)
+    assert vmm < torch, (vmm, torch)
+    return torch - 2 * MiB
+
+
+@pytest.mark.parametrize("keep", [10**9, 300])
+def test_an_oom_snapshot_tells_which_allocator_would_have_fit(tmp_path, capsys, keep):
+    trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
+    capacity = _between(trace)
+    snap, failed = _run_to_oom(trace, capacity, keep)
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    fit = snapshot_fit(path)
+    # The capacity is what the program had: reserved at the error plus what was free.
+    assert fit.capacity_bytes == capacity and "out-of-memory error" in fit.capacity_source
+    assert fit.failed_requests == 1
+    by = {r.policy: r for r in fit.rows}
+    assert not by["torch"].fits and by["pymemplan-vmm"].fits
+    # The requests are those of the run up to the error, the failed one included, whatever
+    # part of them the history kept: the blocks made before it are placed first.
+    assert fit.peak_live_bytes >= failed
+    if keep < 10**8:
+        assert read_trace(path).meta["earlier_blocks"] > 0
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "fits" in out and "reserved +" in out
+    assert main(["explain", str(path), "--json", "--policy", "pymemplan-vmm",
+                 "--capacity", f"{capacity + 64 * MiB}"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in got["fit"]["rows"]] == ["pymemplan-vmm"]
+    assert got["fit"]["capacity_bytes"] == capacity + 64 * MiB and got["fit"]["rows"][0]["fits"]
+
+
+def test_the_recorded_settings_pick_the_model_of_pytorchs_allocator(tmp_path):
+    trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
+    capacity = _between(trace)
+    snap, _ = _run_to_oom(trace, capacity, 10**9, settings={
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8"})
+    fit = snapshot_fit(snap)
+    assert fit.rows[0].policy == "torch=expandable_segments:True"
+    assert [r.policy for r in fit.rows].count("torch=expandable_segments:True") == 1
+    assert any("garbage_collection_threshold:0.8" in n for n in fit.notes)
+    del snap["allocator_settings"]
+    assert any("defaults are assumed" in n for n in snapshot_fit(snap).notes)
+
+
+def test_a_snapshot_without_history_says_how_to_record_it(tmp_path, capsys):
+    snap, _ = _run_to_oom(read_trace(DATA / "gru_seq2seq_small.csv.gz"), 8 * MiB, 10**9)
+    snap["device_traces"] = [[]]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    with pytest.raises(TraceError, match="_record_memory_history"):
+        snapshot_fit(path)
+    assert main(["explain", str(path)]) == 0
+    assert "_record_memory_history(max_entries" in capsys.readouterr().out
+    assert main(["explain", str(path), "--no-compare"]) == 0
+    assert "_record_memory_history" not in capsys.readouterr().out
