@@ -13,7 +13,9 @@ included, on the true capacity.
 History that begins mid-run leaves out the blocks made before it. They are placed at its start
 (`earlier="place"`, the default); left out (`earlier="drop"`, as before), the program seems to
 hold less than it did. Reported per history length and policy: verdicts that agree with the
-truth, and how far each replay's peak live bytes fall short of the run's at the error.
+truth (also over the runs whose history that length cut: the rest see the whole run), and how
+far each replay's peak live bytes fall short of the run's up to the error (a history that
+begins after the run's highest live bytes cannot know them).
 
     python benchmarks/oom_whatif.py            # about 2 minutes on 2 cores
 
@@ -68,7 +70,7 @@ def verdicts(fit) -> dict[str, bool]:
 def measure(trace, cap: int, device: str) -> dict | None:
     """The truth on `cap`, and what snapshots of histories of each length tell."""
     try:
-        _, failed_at = oom_snapshot(trace, cap)
+        snap_all, failed_at = oom_snapshot(trace, cap)
     except ValueError:  # PyTorch's allocator runs it there: no snapshot to take
         return None
     truth = compare_fit(trace.head(failed_at + 1), capacity=cap, policies=POLICIES, smallest=False)
@@ -82,6 +84,7 @@ def measure(trace, cap: int, device: str) -> dict | None:
                               policies=POLICIES, smallest=False)
         row["histories"].append({
             "keep": keep, "entries": len(part["device_traces"][0]),
+            "cut": len(part["device_traces"][0]) < len(snap_all["device_traces"][0]),
             "capacity_bytes": fit.capacity_bytes,
             "earlier_blocks": int(snapshot_trace(part).meta["earlier_blocks"]),
             "placed": verdicts(fit), "placed_peak_live_bytes": fit.peak_live_bytes,
@@ -103,6 +106,12 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "all_agree": sum(all(h[how][p] == r["truth"][p] for p in POLICIES)
                                      for r, h in hist),
                     "capacity_exact": sum(h["capacity_bytes"] == r["capacity_bytes"] for r, h in hist),
+                    # Runs whose history this length cut (the rest see the whole run).
+                    "cut_runs": sum(h["cut"] for _, h in hist),
+                    "agree_cut": {p: sum(h[how][p] == r["truth"][p] for r, h in hist if h["cut"])
+                                  for p in POLICIES},
+                    "all_agree_cut": sum(all(h[how][p] == r["truth"][p] for p in POLICIES)
+                                         for r, h in hist if h["cut"]),
                     "live_short_max": max(short, default=0.0),
                     "live_short_median": sorted(short)[len(short) // 2] if short else 0.0})
     return summary
@@ -149,11 +158,14 @@ def main() -> int:
               + ", ".join(f"{LABEL[p]} {k}/{n}" for p, k in counts.items()))
     print(f"\n{'device':>11} {'history':>8} {'earlier':>8}  "
           + "  ".join(f"{LABEL[p]:>9}" for p in POLICIES)
-          + "  all agree  capacity exact  live short (max)")
+          + "  all agree  capacity exact  live short (max)   (of the runs the history cut: "
+          + ", ".join(LABEL[p] for p in POLICIES) + ", all)")
     for s in summary:
         print(f"{s['device']:>11} {str(s['keep'] or 'all'):>8} {s['earlier']:>8}  "
               + "  ".join(f"{s['agree'][p]:>9}" for p in POLICIES)
-              + f"  {s['all_agree']:>9}  {s['capacity_exact']:>14}  {s['live_short_max']:.1%}")
+              + f"  {s['all_agree']:>9}  {s['capacity_exact']:>14}  {s['live_short_max']:>16.1%}"
+              + f"   {s['cut_runs']} cut: " + " ".join(str(s['agree_cut'][p]) for p in POLICIES)
+              + f" {s['all_agree_cut']}")
     print(f"wrote {args.out}")
     return 0
 

@@ -169,11 +169,14 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
         out.rows.append(row)
     rec = out.rows[0] if out.rows else None
     if cap is not None and failed and rec is not None and rec.fits and recorded is not None:
+        why = ("the blocks made before the history began are placed together here, where the "
+               "run's own layout of them left holes, or " if trace.meta.get("earlier_blocks") else "")
         out.notes.append(
             f"The model of the recorded allocator ({rec.policy}) serves every request on this "
-            f"device, where the run failed: memory outside these blocks was in use (another "
-            f"memory pool, CUDA graphs, NCCL, other processes), or the capacity is "
-            f"overstated. Give the device's memory as the capacity to compare.")
+            f"device, where the run failed: {why}memory outside these blocks was in use "
+            f"(another memory pool, CUDA graphs, NCCL, other processes), or the capacity is "
+            f"overstated. A longer history (max_entries), or the device's memory as the "
+            f"capacity, makes the comparison closer.")
     if trace.meta.get("earlier_blocks"):
         out.notes.append(
             f"{trace.meta['earlier_blocks']:,} block(s) ({format_bytes(trace.meta['earlier_bytes'])}) "
