@@ -177,3 +177,28 @@ def test_a_snapshot_without_history_says_how_to_record_it(tmp_path, capsys):
     assert "_record_memory_history(max_entries" in capsys.readouterr().out
     assert main(["explain", str(path), "--no-compare"]) == 0
     assert "_record_memory_history" not in capsys.readouterr().out
+
+
+def test_the_advice_is_a_setting_that_makes_the_run_fit(tmp_path):
+    from pymemplan.allocator._config import parse_config
+
+    trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
+    capacity = _between(trace)
+    snap, _ = _run_to_oom(trace, capacity, 10**9)
+    fit = snapshot_fit(snap, policies=["torch", "pymemplan-vmm", "pymemplan=release_before_grow:False"])
+    assert fit.rows[1].fits and "pymemplan.enable(\"pymemplan-vmm\")" in fit.advice
+    env = fit.advice.split('PYMEMPLAN_ALLOC_CONF="')[1].split('"')[0]
+    assert parse_config(env) == ("pymemplan-vmm", {})
+    assert "What to do: call pymemplan.enable" in str(fit)
+    # PyTorch's own setting comes first where it fits.
+    exp = snapshot_fit(snap, capacity=capacity + 256 * MiB)
+    assert exp.rows[1].policy == "torch=expandable_segments:True" and exp.rows[1].fits
+    assert exp.advice.startswith("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    # Below the live bytes nothing fits: the advice says what would.
+    none = snapshot_fit(snap, capacity=fit.peak_live_bytes // 2)
+    assert not any(r.fits for r in none.rows)
+    assert "no allocator fits" in none.advice and "pymemplan plan" in none.advice
+    least = min(r.smallest_device_bytes for r in none.rows)
+    assert f"the least any needs is {_core.format_bytes(least)}" in none.advice
+    # No failed request, no advice: nothing failed.
+    assert compare_fit(trace, capacity=capacity).advice is None

@@ -59,6 +59,7 @@ class FitComparison:
     failed_requests: int        # requests the recorded allocator refused, asked again here
     rows: list[AllocatorFit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    advice: str | None = None   # how to switch to the allocator that fits with least change
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +84,8 @@ class FitComparison:
         out.append(f"  {'live bytes':<{width}}  peak          {format_bytes(self.peak_live_bytes):>11}"
                    "  (no allocator holds less)")
         out.extend(f"  {n}" for n in self.notes)
+        if self.advice:
+            out.append(f"  What to do: {self.advice}")
         return out
 
 
@@ -177,12 +180,52 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
             f"(another memory pool, CUDA graphs, NCCL, other processes), or the capacity is "
             f"overstated. A longer history (max_entries), or the device's memory as the "
             f"capacity, makes the comparison closer.")
+    if cap is not None and failed:
+        out.advice = _advice([r for r in out.rows if r.policy != recorded], cap, live)
     if trace.meta.get("earlier_blocks"):
         out.notes.append(
             f"{trace.meta['earlier_blocks']:,} block(s) ({format_bytes(trace.meta['earlier_bytes'])}) "
             f"were made before the history began; they are placed first, in address order, so "
             f"how they lie is an estimate (their bytes are exact).")
     return out
+
+
+def _how_to_use(policy: str) -> str:
+    """The setting that makes a program run under a replay policy."""
+    name, _, config = policy.partition("=")
+    if name == "torch":
+        return f"set PYTORCH_CUDA_ALLOC_CONF={config} before the program starts" if config \
+            else "use PyTorch's allocator with its defaults (unset PYTORCH_CUDA_ALLOC_CONF)"
+    conf = ",".join(filter(None, [f"policy:{name}", config]))
+    def literal(v: str) -> str:
+        return v if v.isdigit() or v in ("True", "False") else repr(v)
+
+    kwargs = "".join(f", {k}={literal(v)}"
+                     for k, _, v in (i.partition(":") for i in config.split(",") if i))
+    return (f'call pymemplan.enable("{name}"{kwargs}) before CUDA is first used, or run with '
+            f'PYMEMPLAN_ENABLE=1 PYMEMPLAN_ALLOC_CONF="{conf}"')
+
+
+# Which of the allocators that fit to advise: a setting of PyTorch's first, then ours, the
+# one that holds least first.
+_PREFERENCE = {"torch": 0, "pymemplan-vmm": 1, "pymemplan-planned": 2, "pymemplan": 3}
+
+
+def _advice(rows: list[AllocatorFit], cap: int, live: int) -> str:
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        best = min(fitting, key=lambda r: _PREFERENCE.get(r.policy.partition("=")[0], 9))
+        room = ("" if best.smallest_device_bytes is None else
+                f" (it runs on {format_bytes(best.smallest_device_bytes)}, "
+                f"{format_bytes(cap - best.smallest_device_bytes)} less than this device)")
+        return f"{_how_to_use(best.policy)}{room}."
+    ran = [r for r in rows if r.smallest_device_bytes is not None]
+    need = min(ran, key=lambda r: r.smallest_device_bytes) if ran else None
+    least = ("" if need is None else
+             f"; the least any needs is {format_bytes(need.smallest_device_bytes)} ({need.policy})")
+    return (f"no allocator fits these requests on {format_bytes(cap)}: their live bytes alone "
+            f"peak at {format_bytes(live)}{least}. Bring the peak down: `pymemplan plan` traces "
+            f"precision, checkpointing, batch size and sharding on your model.")
 
 
 def _smallest_device(runs, live: int, reserved: int, gran: int, ample: int) -> int:
