@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pymemplan import _core
 from pymemplan.cli import main
 from pymemplan.traces import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError, read_trace
-from pymemplan.traces.fit import compare_fit, retry_failures, snapshot_fit
+from pymemplan.traces.fit import compare_fit, oom_snapshot, retry_failures, snapshot_fit
 
 DATA = Path(__file__).parent / "data"
 MiB = 1 << 20
@@ -91,30 +91,12 @@ def test_bad_arguments_are_refused_with_what_was_wrong():
 
 
 def _run_to_oom(trace, capacity, keep, settings=None):
-    """Replays `trace` under the model of PyTorch's allocator on a device of `capacity` until a
-    request fails, as a program that records its allocation history (the last `keep`
-    entries) would, and returns the snapshot PyTorch dumps then, and the failed request."""
-    alloc = _core.Allocator(_core.SimulatedDevice(capacity), "torch", "")
-    history, addr = [], {}
-    for i, (a, p, s) in enumerate(zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist())):
-        if a == ALLOC:
-            try:
-                addr[p] = alloc.malloc(s)
-            except _core.OutOfMemoryError:
-                history.append({"action": "oom", "size": s, "stream": 0, "time_us": i,
-                                "device_free": capacity - alloc.reserved_bytes()})
-                break
-            history.append({"action": "alloc", "addr": addr[p], "size": s, "stream": 0, "time_us": i})
-        elif a == FREE:
-            alloc.free(addr[p])
-            history.append({"action": "free_completed", "addr": addr.pop(p), "size": s,
-                            "stream": 0, "time_us": i})
-    else:
-        raise AssertionError(f"the trace runs on {capacity} bytes")
-    snap = alloc.snapshot()
-    snap["device_traces"] = [history[-keep:]]
-    snap["allocator_settings"] = settings or {"PYTORCH_CUDA_ALLOC_CONF": "", "expandable_segments": False}
-    return snap, s
+    """The snapshot PyTorch dumps where the model of its allocator fails `trace` on
+    `capacity` (its last `keep` history entries), and the request that failed."""
+    snap, at = oom_snapshot(trace, capacity, keep=keep)
+    if settings is not None:
+        snap["allocator_settings"] = settings
+    return snap, int(trace.size[at])
 
 
 def _between(trace):
@@ -125,7 +107,7 @@ def _between(trace):
     return torch - 2 * MiB
 
 
-@pytest.mark.parametrize("keep", [10**9, 300])
+@pytest.mark.parametrize("keep", [None, 300])
 def test_an_oom_snapshot_tells_which_allocator_would_have_fit(tmp_path, capsys, keep):
     trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
     capacity = _between(trace)
@@ -141,7 +123,7 @@ def test_an_oom_snapshot_tells_which_allocator_would_have_fit(tmp_path, capsys, 
     # The requests are those of the run up to the error, the failed one included, whatever
     # part of them the history kept: the blocks made before it are placed first.
     assert fit.peak_live_bytes >= failed
-    if keep < 10**8:
+    if keep is not None:
         assert read_trace(path).meta["earlier_blocks"] > 0
     assert main(["explain", str(path)]) == 0
     out = capsys.readouterr().out
@@ -156,7 +138,7 @@ def test_an_oom_snapshot_tells_which_allocator_would_have_fit(tmp_path, capsys, 
 def test_the_recorded_settings_pick_the_model_of_pytorchs_allocator(tmp_path):
     trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
     capacity = _between(trace)
-    snap, _ = _run_to_oom(trace, capacity, 10**9, settings={
+    snap, _ = _run_to_oom(trace, capacity, None, settings={
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8"})
     fit = snapshot_fit(snap)
     assert fit.rows[0].policy == "torch=expandable_segments:True"
@@ -167,7 +149,7 @@ def test_the_recorded_settings_pick_the_model_of_pytorchs_allocator(tmp_path):
 
 
 def test_a_snapshot_without_history_says_how_to_record_it(tmp_path, capsys):
-    snap, _ = _run_to_oom(read_trace(DATA / "gru_seq2seq_small.csv.gz"), 8 * MiB, 10**9)
+    snap, _ = _run_to_oom(read_trace(DATA / "gru_seq2seq_small.csv.gz"), 8 * MiB, None)
     snap["device_traces"] = [[]]
     path = tmp_path / "s.pickle"
     path.write_bytes(pickle.dumps(snap))
@@ -184,7 +166,7 @@ def test_the_advice_is_a_setting_that_makes_the_run_fit(tmp_path):
 
     trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
     capacity = _between(trace)
-    snap, _ = _run_to_oom(trace, capacity, 10**9)
+    snap, _ = _run_to_oom(trace, capacity, None)
     fit = snapshot_fit(snap, policies=["torch", "pymemplan-vmm", "pymemplan=release_before_grow:False"])
     assert fit.rows[1].fits and "pymemplan.enable(\"pymemplan-vmm\")" in fit.advice
     env = fit.advice.split('PYMEMPLAN_ALLOC_CONF="')[1].split('"')[0]
@@ -202,3 +184,82 @@ def test_the_advice_is_a_setting_that_makes_the_run_fit(tmp_path):
     assert f"the least any needs is {_core.format_bytes(least)}" in none.advice
     # No failed request, no advice: nothing failed.
     assert compare_fit(trace, capacity=capacity).advice is None
+
+
+
+def _layout_of(alloc, ptr_of):
+    """The model's own layout now, as replay's `layout` takes it."""
+    return [(g["total_size"], g["segment_type"] == "small", g["stream"],
+             [(b["address"] - g["address"], b["size"], b["requested_size"], ptr_of[b["address"]])
+              for b in g["blocks"] if b["state"] == "active_allocated"])
+            for g in alloc.snapshot()["segments"]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(_programs(), st.floats(0.0, 1.0), st.sampled_from([None, 0.9, 0.7]))
+def test_a_replay_from_the_models_own_layout_goes_on_as_the_whole_run(trace, where, tight):
+    """Started from the layout PyTorch's allocator had at any event, with the blocks alive
+    then, the model serves the rest of the trace exactly as it did in the whole run: the
+    same requests refused, the same highest reserved from there on."""
+    keep = trace.action != ALLOC_FAILURE
+    action, ptr, size, stream = (np.ascontiguousarray(c[keep]) for c in
+                                 (trace.action, trace.ptr, trace.size, trace.stream))
+    n = len(action)
+    spare = _core.replay(action, ptr, size, stream, "torch", "", 1 << 36, 2 * MiB)
+    cap = (1 << 36) if tight is None else max(2 * MiB, int(spare["peak_reserved_bytes"] * tight))
+    k = int(where * n)
+    alloc = _core.Allocator(_core.SimulatedDevice(cap), "torch", "")
+    addr, refused = {}, 0
+    for a, p, s in zip(action[:k].tolist(), ptr[:k].tolist(), size[:k].tolist()):
+        if a == ALLOC:
+            try:
+                addr[p] = alloc.malloc(s)
+            except _core.OutOfMemoryError:
+                addr[p], refused = None, refused + 1
+        else:
+            at = addr.pop(p)
+            if at is not None:
+                alloc.free(at)
+    layout = _layout_of(alloc, {at: p for p, at in addr.items() if at is not None})
+    # The rest, less the frees of blocks that were refused (they were never made).
+    gone = {p for p, at in addr.items() if at is None}
+    rest = np.array([not (a == FREE and p in gone) for a, p in
+                     zip(action[k:].tolist(), ptr[k:].tolist())], dtype=bool)
+    cols = (np.ascontiguousarray(c[k:][rest]) for c in (action, ptr, size, stream))
+    started = _core.replay(*cols, "torch", "", cap, 2 * MiB, layout=layout)
+    whole = _core.replay(action, ptr, size, stream, "torch", "", cap, 2 * MiB,
+                         steady_from=max(k - 1, 0))
+    assert whole["ooms"] == refused + started["ooms"]
+    if k > 0:
+        assert started["peak_reserved_bytes"] == whole["steady_peak_reserved_bytes"]
+
+
+def test_a_layout_is_refused_with_what_was_wrong():
+    t = _trace([(FREE, 7, 512)])
+    with pytest.raises(_core.AllocatorError, match="only the model of PyTorch's allocator"):
+        _core.replay(t.action, t.ptr, t.size, t.stream, "pymemplan-vmm", "", 1 << 30, 2 * MiB,
+                     layout=[(2 * MiB, True, 0, [(0, 512, 512, 7)])])
+    for bad in ([(0, 1024, 512, 7), (512, 512, 512, 8)],  # overlapping
+                [(2 * MiB, 512, 512, 7)],                  # outside the segment
+                [(0, 1000, 512, 7)],                       # not a multiple of 512
+                [(0, 512, 600, 7)]):                       # smaller than its request
+        with pytest.raises(_core.AllocatorError, match="adopt_segment: block"):
+            _core.replay(t.action, t.ptr, t.size, t.stream, "torch", "", 1 << 30, 2 * MiB,
+                         layout=[(2 * MiB, True, 0, bad)])
+    # A segment the device has no room for: its blocks count as refused, their frees skipped.
+    r = _core.replay(t.action, t.ptr, t.size, t.stream, "torch", "", 2 * MiB, 2 * MiB,
+                     layout=[(20 * MiB, False, 0, [(0, 2 * MiB, 2 * MiB, 7)])])
+    assert r["ooms"] == 1
+
+
+@pytest.mark.parametrize("keep", [40, 300, 3000])
+def test_the_recorded_allocator_starts_from_the_layout_the_snapshot_had(keep):
+    """From a history cut anywhere, the model of PyTorch's allocator, started from the layout
+    the run had where the history begins, fails as the run did; placing the blocks made
+    before it together, as the other allocators do, it may not."""
+    trace = read_trace(DATA / "gru_seq2seq_small.csv.gz")
+    capacity = _between(trace)
+    snap, _ = _run_to_oom(trace, capacity, keep)
+    fit = snapshot_fit(snap)
+    assert fit.rows[0].policy == "torch" and not fit.rows[0].fits
+    assert any("starts from the layout the run had" in n for n in fit.notes)

@@ -722,6 +722,11 @@ Block* CachingAllocator::take(Block* b, std::size_t rounded, std::size_t request
                               StreamId stream) {
   // `b` is free and in no free list.
   if (should_split(b, rounded)) insert_free(split(b, b->addr + rounded));
+  mark_allocated(b, requested, stream);
+  return b;
+}
+
+void CachingAllocator::mark_allocated(Block* b, std::size_t requested, StreamId stream) {
   b->allocated = true;
   b->requested = requested;
   b->born = events_++;
@@ -737,7 +742,59 @@ Block* CachingAllocator::take(Block* b, std::size_t rounded, std::size_t request
   update_stat(&Stats::active_bytes, small, bytes);
   update_stat(&Stats::requested_bytes, small, static_cast<std::int64_t>(requested));
   if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
-  return b;
+}
+
+std::vector<std::uintptr_t> CachingAllocator::adopt_segment(std::size_t bytes, bool small,
+                                                            StreamId stream,
+                                                            const std::vector<AdoptedBlock>& blocks) {
+  if (config_.kind != PolicyKind::Torch || config_.expandable_segments) {
+    throw AllocatorError("adopt_segment: only the model of PyTorch's allocator without "
+                         "expandable segments takes a recorded layout, not " + config_.policy_name());
+  }
+  if (bytes == 0 || bytes % kMinBlockSize != 0) {
+    throw AllocatorError("adopt_segment: a segment of " + std::to_string(bytes) +
+                         " bytes (a positive multiple of 512 expected)");
+  }
+  std::vector<std::size_t> order(blocks.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t a, std::size_t b) { return blocks[a].offset < blocks[b].offset; });
+  std::size_t end = 0;
+  for (std::size_t i : order) {
+    const AdoptedBlock& a = blocks[i];
+    if (a.size == 0 || a.size % kMinBlockSize != 0 || a.offset % kMinBlockSize != 0 ||
+        a.offset < end || a.offset + a.size > bytes || a.requested <= 0 ||
+        static_cast<std::size_t>(a.requested) > a.size) {
+      throw AllocatorError("adopt_segment: block " + std::to_string(i) + " (offset " +
+                           std::to_string(a.offset) + ", " + std::to_string(a.size) +
+                           " bytes for " + std::to_string(a.requested) + " requested) overlaps " +
+                           "another, lies outside the segment of " + std::to_string(bytes) +
+                           " bytes, or is not in multiples of 512 bytes holding its request");
+    }
+    end = a.offset + a.size;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* rest = new_segment(small ? small_ : large_, bytes, stream);
+  if (rest == nullptr) {
+    throw OutOfMemoryError("adopt_segment: the device has no room for a segment of " +
+                           std::to_string(bytes) + " bytes");
+  }
+  std::vector<std::uintptr_t> out(blocks.size());
+  const std::uintptr_t base = rest->addr;
+  for (std::size_t i : order) {
+    const AdoptedBlock& a = blocks[i];
+    Block* b = rest;
+    if (b->addr < base + a.offset) {  // free space before it
+      b = split(rest, base + a.offset);
+      insert_free(rest);
+    }
+    rest = b->size > a.size ? split(b, b->addr + a.size) : nullptr;
+    mark_allocated(b, static_cast<std::size_t>(a.requested), stream);
+    out[i] = b->addr;
+    if (rest == nullptr) break;
+  }
+  if (rest != nullptr) insert_free(rest);
+  return out;
 }
 
 Block* CachingAllocator::split(Block* b, std::uintptr_t at) {

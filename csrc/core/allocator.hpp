@@ -111,6 +111,8 @@ class CachingAllocator : public LockedAllocator {
   const PolicyConfig& config() const { return config_; }
   Device& device() { return *device_; }
   std::string last_error() const override;
+  std::vector<std::uintptr_t> adopt_segment(std::size_t bytes, bool small, StreamId stream,
+                                            const std::vector<AdoptedBlock>& blocks) override;
 
   // --- Placement at fixed offsets (plan-guided placement, planned.hpp) ---
   // An arena of at least `bytes`: a segment the best-fit search never looks at; memory in it
@@ -309,6 +311,8 @@ class CachingAllocator : public LockedAllocator {
   void end_idle_shares(Segment* seg, std::size_t first, std::size_t last);
   void end_share(Share* s, int side);
   Block* take(Block* block, std::size_t rounded, std::size_t requested, StreamId stream);
+  // `b` (free, in no list, of its final size) is handed out: stats, indexes.
+  void mark_allocated(Block* b, std::size_t requested, StreamId stream);
   // `b` is free and listed nowhere: it keeps [addr, at); the returned block, with the same
   // owner, gets [at, end).
   Block* split(Block* b, std::uintptr_t at);

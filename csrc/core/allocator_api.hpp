@@ -14,6 +14,13 @@
 
 namespace pymemplan {
 
+// A block in use in a layout recorded elsewhere (Allocator::adopt_segment).
+struct AdoptedBlock {
+  std::size_t offset = 0;      // from the segment's start
+  std::size_t size = 0;        // the block's size (rounded, as the recording allocator had it)
+  std::int64_t requested = 0;  // bytes the program asked for
+};
+
 class Allocator {
  public:
   virtual ~Allocator() = default;
@@ -67,6 +74,14 @@ class Allocator {
   // Checks the allocator's own indexes against its blocks (tests and the fuzzer): "" when they
   // agree, else what is wrong.
   virtual std::string self_check() const { return ""; }
+  // Takes over a segment of a layout recorded elsewhere (a PyTorch snapshot's): `bytes` from
+  // the device, in the small pool or the large, with blocks in use at the given offsets and
+  // the rest free. Returns the blocks' addresses, in the order given. Throws OutOfMemoryError
+  // where the device or the memory limit refuses the segment (nothing changes), and
+  // AllocatorError for a layout that is not one, or an allocator whose layouts are not
+  // PyTorch's (only the model of PyTorch's allocator without expandable segments takes one).
+  virtual std::vector<std::uintptr_t> adopt_segment(std::size_t bytes, bool small, StreamId stream,
+                                                    const std::vector<AdoptedBlock>& blocks);
 };
 
 // The allocator a policy name stands for ("pymemplan", "torch", "nocache", ...), over

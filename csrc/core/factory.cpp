@@ -1,4 +1,5 @@
 #include "allocator.hpp"
+#include "errors.hpp"
 #include "gmlake.hpp"
 #include "planned.hpp"
 
@@ -15,6 +16,12 @@ std::unique_ptr<Allocator> make_allocator(std::shared_ptr<Device> device, const 
     return std::make_unique<GMLakeAllocator>(std::move(device), GMLakeConfig::parse(config));
   }
   return std::make_unique<CachingAllocator>(std::move(device), PolicyConfig::parse(policy, config));
+}
+
+std::vector<std::uintptr_t> Allocator::adopt_segment(std::size_t, bool, StreamId,
+                                                     const std::vector<AdoptedBlock>&) {
+  throw AllocatorError("adopt_segment: only the model of PyTorch's allocator takes a recorded "
+                       "layout, not " + policy_name());
 }
 
 std::string validate_config(const std::string& policy, const std::string& config) {

@@ -12,7 +12,8 @@ namespace pymemplan {
 
 ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
                     const std::int64_t* size, const std::int64_t* stream, std::size_t n,
-                    std::int64_t steady_from, const std::function<void()>& after_event) {
+                    std::int64_t steady_from, const std::function<void()>& after_event,
+                    const std::vector<InitialBlock>& initial) {
   struct Live {
     void* address;  // nullptr: the allocation failed
     std::int64_t size;
@@ -21,6 +22,13 @@ ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std:
   live.reserve(1024);
   ReplayResult r;
   std::int64_t live_bytes = 0;
+  for (const InitialBlock& b : initial) {
+    if (!live.emplace(b.ptr, Live{b.address, b.size}).second) {
+      throw AllocatorError("replay: initial block " + std::to_string(b.ptr) + " given twice");
+    }
+    live_bytes += b.size;
+  }
+  r.peak_live_bytes = live_bytes;
   const Stats before = allocator.stats();
   const double planning_before = allocator.planning_seconds();
   std::uint64_t requests = 0;

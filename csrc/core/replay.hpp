@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "allocator_api.hpp"
 
@@ -45,9 +46,17 @@ struct ReplayResult {
 // steady_from >= 0 also tracks the peaks from that event on, polling reserved memory after
 // every event (which slows the loop: time a run without it).
 // after_event, when given, is called after every event (the simulated device's clock).
+// initial: blocks the allocator holds already (adopted from a recorded layout), by the trace
+// pointer that frees them; address nullptr for one it could not take (its free is skipped).
+struct InitialBlock {
+  std::int64_t ptr = 0;
+  void* address = nullptr;
+  std::int64_t size = 0;  // requested
+};
 ReplayResult replay(Allocator& allocator, const std::uint8_t* action, const std::int64_t* ptr,
                     const std::int64_t* size, const std::int64_t* stream, std::size_t n,
                     std::int64_t steady_from = -1,
-                    const std::function<void()>& after_event = nullptr);
+                    const std::function<void()>& after_event = nullptr,
+                    const std::vector<InitialBlock>& initial = {});
 
 }  // namespace pymemplan

@@ -395,7 +395,7 @@ PYBIND11_MODULE(_core, m) {
       [](carray<std::uint8_t> action, carray<std::int64_t> ptr, carray<std::int64_t> size,
          carray<std::int64_t> stream, const std::string& policy, const std::string& config,
          std::size_t capacity, std::size_t granularity, std::int64_t steady_from,
-         std::uint64_t event_lag, const std::string& plans) {
+         std::uint64_t event_lag, const std::string& plans, const py::list& layout) {
         const auto n = static_cast<std::size_t>(action.size());
         if (static_cast<std::size_t>(ptr.size()) != n || static_cast<std::size_t>(size.size()) != n ||
             static_cast<std::size_t>(stream.size()) != n) {
@@ -409,14 +409,43 @@ PYBIND11_MODULE(_core, m) {
           if (planned == nullptr) throw AllocatorError("replay: policy " + policy + " takes no plans");
           planned->import_plans(plans);
         }
+        // A recorded layout to start from: segments (bytes, small, stream, blocks), each block
+        // (offset, size, requested, the trace pointer that frees it). A segment the device
+        // refuses leaves its blocks unplaced: each counts as a refused request.
+        std::vector<InitialBlock> initial;
+        std::int64_t unplaced = 0;
+        for (const auto& item : layout) {
+          auto seg = item.cast<py::tuple>();
+          if (seg.size() != 4) throw AllocatorError("replay: a layout segment is (bytes, small, stream, blocks)");
+          std::vector<AdoptedBlock> blocks;
+          std::vector<std::int64_t> ptrs;
+          for (const auto& bi : seg[3].cast<py::list>()) {
+            auto b = bi.cast<py::tuple>();
+            if (b.size() != 4) throw AllocatorError("replay: a layout block is (offset, size, requested, ptr)");
+            blocks.push_back({b[0].cast<std::size_t>(), b[1].cast<std::size_t>(), b[2].cast<std::int64_t>()});
+            ptrs.push_back(b[3].cast<std::int64_t>());
+          }
+          std::vector<std::uintptr_t> at;
+          try {
+            at = alloc->adopt_segment(seg[0].cast<std::size_t>(), seg[1].cast<bool>(),
+                                      seg[2].cast<StreamId>(), blocks);
+          } catch (const OutOfMemoryError&) {
+            at.assign(blocks.size(), 0);
+            unplaced += static_cast<std::int64_t>(blocks.size());
+          }
+          for (std::size_t k = 0; k < blocks.size(); ++k) {
+            initial.push_back({ptrs[k], reinterpret_cast<void*>(at[k]), blocks[k].requested});
+          }
+        }
         ReplayResult r;
         std::function<void()> tick;
         if (event_lag != 0) tick = [&device] { device->advance(); };
         {
           py::gil_scoped_release release;
           r = replay(*alloc, action.data(), ptr.data(), size.data(), stream.data(), n, steady_from,
-                     tick);
+                     tick, initial);
         }
+        r.ooms += unplaced;
         py::dict d;
         d["events"] = r.events;
         d["peak_live_bytes"] = r.peak_live_bytes;
@@ -442,6 +471,10 @@ PYBIND11_MODULE(_core, m) {
       py::arg("policy") = "pymemplan", py::arg("config") = "",
       py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = 2 << 20,
       py::arg("steady_from") = -1, py::arg("event_lag") = 0, py::arg("plans") = "",
+      py::arg("layout") = py::list(),
       "Replay a trace (parallel arrays) through a policy on a fresh simulated device; "
-      "pymemplan-planned starts with `plans` (export_plans() text) and returns its own.");
+      "pymemplan-planned starts with `plans` (export_plans() text) and returns its own. "
+      "`layout`: segments of a recorded layout the policy starts with (the model of "
+      "PyTorch's allocator only): [(bytes, small, stream, [(offset, size, requested, ptr)])], "
+      "ptr the trace pointer that frees the block.");
 }

@@ -117,7 +117,7 @@ def retry_failures(trace: Trace) -> Trace:
 
 def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | None = None,
                 granularity="2MiB", capacity_source: str = "given",
-                smallest: bool = True) -> FitComparison:
+                smallest: bool = True, recorded_layout: list | None = None) -> FitComparison:
     """Each allocator's verdict on `trace`'s requests, the refused ones asked again.
 
     `capacity`: the device's memory for the program (bytes or "79GiB"); with it, each row
@@ -125,7 +125,10 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
     `recorded` one, PyTorch's as the run had it, e.g. "torch=expandable_segments:True",
     then PyTorch's with expandable segments, pymemplan, pymemplan-vmm and
     pymemplan-planned). Each row also has the smallest device that holds every request
-    (`smallest`; else None: a dozen replays fewer each).
+    (`smallest`; else None: a dozen replays fewer each). `recorded_layout`: where `trace`
+    begins with blocks made before it (``meta["earlier_blocks"]``), the layout the recorded
+    allocator had for them (``snapshot.history_start_layout``): its row starts from that
+    layout instead of placing them itself.
 
     Raises ValueError for a bad policy or capacity, TraceError for a malformed trace."""
     cap = None if capacity is None else parse_bytes(capacity)
@@ -146,8 +149,16 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
     asked = retry_failures(trace)
     live = asked.peak_live_bytes()
 
-    def run(name, config, capacity_bytes):
+    # The recorded allocator's row: the history without the blocks placed first, which the
+    # layout holds instead.
+    skip = int(trace.meta.get("earlier_blocks", 0)) if recorded_layout is not None else 0
+    cols = (asked.action[skip:], asked.ptr[skip:], asked.size[skip:], asked.stream[skip:])
+
+    def run(name, config, capacity_bytes, spec=None):
         try:
+            if recorded_layout is not None and spec == recorded:
+                return _core.replay(*cols, name, config, capacity_bytes, gran,
+                                    layout=recorded_layout)
             return _core.replay(asked.action, asked.ptr, asked.size, asked.stream, name, config,
                                 capacity_bytes, gran)
         except _core.AllocatorError as e:  # a capacity or granularity the device cannot model
@@ -161,13 +172,13 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
                         capacity_bytes=cap, capacity_source=capacity_source if cap else "",
                         failed_requests=failed)
     for spec, name, config in parsed:
-        spare = run(name, config, ample)
+        spare = run(name, config, ample, spec)
         reserved = spare["peak_reserved_bytes"]
         least = None if spare["ooms"] or not smallest else _smallest_device(
-            lambda c: run(name, config, c)["ooms"] == 0, live, reserved, gran, ample)
+            lambda c: run(name, config, c, spec)["ooms"] == 0, live, reserved, gran, ample)
         row = AllocatorFit(spec, reserved, least)
         if cap is not None:
-            row.ooms = run(name, config, cap)["ooms"]
+            row.ooms = run(name, config, cap, spec)["ooms"]
             row.fits = row.ooms == 0
         out.rows.append(row)
     rec = out.rows[0] if out.rows else None
@@ -265,8 +276,8 @@ def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies
     import os
 
     from .replay import torch_policy_from_conf
-    from .snapshot import (load_snapshot, snapshot_allocator_conf, snapshot_oom_capacity,
-                           snapshot_trace)
+    from .snapshot import (history_start_layout, load_snapshot, snapshot_allocator_conf,
+                           snapshot_oom_capacity, snapshot_trace)
     from .trace import TraceError
 
     if isinstance(snapshot, (str, os.PathLike)):
@@ -289,8 +300,20 @@ def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies
             capacity = at_oom[0]
             source = (f"at the out-of-memory error: {format_bytes(at_oom[1])} reserved + "
                       f"{format_bytes(at_oom[2])} free")
+    layout = None
+    if trace.meta.get("earlier_blocks") and recorded.partition("=")[0] == "torch" \
+            and "expandable_segments:True" not in recorded:
+        layout = history_start_layout(snap, trace)
     fit = compare_fit(trace, capacity=capacity, policies=policies, recorded=recorded,
-                      granularity=granularity, capacity_source=source)
+                      granularity=granularity, capacity_source=source, recorded_layout=layout)
+    if layout is not None and any(r.policy == recorded for r in fit.rows):
+        fit.notes = [n for n in fit.notes if "were made before the history began" not in n]
+        fit.notes.append(
+            f"{trace.meta['earlier_blocks']:,} block(s) ({format_bytes(trace.meta['earlier_bytes'])}) "
+            f"were made before the history began: {recorded} starts from the layout the run had "
+            f"then (the snapshot's segments, less those the history made, with those blocks at "
+            f"their addresses); the others place them first, in address order, so how they lie "
+            f"there is an estimate (their bytes are exact).")
     if conf is None:
         fit.notes.append("The snapshot does not say how PyTorch's allocator was set (PyTorch "
                          "before 2.5): its defaults are assumed for the recorded run.")
@@ -306,7 +329,8 @@ def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
     device of `capacity` bytes, as the model of its allocator (PYTORCH_CUDA_ALLOC_CONF=`conf`)
     runs it: segments and blocks in ``torch.cuda.memory._snapshot()``'s format, and the
     allocation history of the last `keep` entries (all by default; PyTorch keeps
-    ``max_entries``), ending with the "oom" entry. For testing and measuring what a snapshot
+    ``max_entries``) with the segments made and given back, ending with the "oom" entry.
+    For testing and measuring what a snapshot
     tells, where no GPU is at hand. Also returns the event of `trace` that failed.
     Raises ValueError where the trace runs on that device."""
     from .replay import parse_policy
@@ -316,6 +340,22 @@ def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
     dev = _core.SimulatedDevice(cap)
     alloc = _core.Allocator(dev, name, config)
     history, addr = [], {}
+    segments, reserved = {}, 0
+
+    def segment_actions(i):
+        # The segments made and given back since the last look, as PyTorch records them.
+        nonlocal segments, reserved
+        if alloc.reserved_bytes() == reserved:
+            return
+        now = {g["address"]: (g["total_size"], g["stream"]) for g in alloc.snapshot()["segments"]}
+        for a in sorted(segments.keys() - now.keys()):
+            history.append({"action": "segment_free", "addr": a, "size": segments[a][0],
+                            "stream": segments[a][1], "time_us": i})
+        for a in sorted(now.keys() - segments.keys()):
+            history.append({"action": "segment_alloc", "addr": a, "size": now[a][0],
+                            "stream": now[a][1], "time_us": i})
+        segments, reserved = now, alloc.reserved_bytes()
+
     rows = zip(trace.action.tolist(), trace.ptr.tolist(), trace.size.tolist(),
                trace.stream.tolist())
     for i, (a, p, s, stream) in enumerate(rows):
@@ -323,9 +363,11 @@ def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
             try:
                 addr[p] = alloc.malloc(s, stream)
             except _core.OutOfMemoryError:
+                segment_actions(i)
                 history.append({"action": "oom", "size": s, "stream": stream, "time_us": i,
                                 "device_free": cap - alloc.reserved_bytes()})
                 break
+            segment_actions(i)
             history.append({"action": "alloc", "addr": addr[p], "size": s, "stream": stream,
                             "time_us": i})
         elif a == FREE:
@@ -333,6 +375,7 @@ def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
             alloc.free(where)
             history.append({"action": "free_completed", "addr": where, "size": s,
                             "stream": stream, "time_us": i})
+            segment_actions(i)
     else:
         raise ValueError(f"{trace.name} runs on {format_bytes(cap)} under {name}: no "
                          f"out-of-memory error to take a snapshot at")

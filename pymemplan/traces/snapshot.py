@@ -28,6 +28,7 @@ Blocks live at the end stay live.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import pickle
@@ -325,3 +326,60 @@ def snapshot_allocator_conf(snap: dict) -> str | None:
     if settings.get("expandable_segments") is True:
         return "expandable_segments:True"
     return ""
+
+
+def history_start_layout(snap: dict, trace: Trace) -> list | None:
+    """The layout PyTorch's allocator had where the history of `trace` (read from `snap` with
+    earlier="place") begins: the segments it held then, each with the blocks in use in it,
+    as ``_core.replay``'s `layout` takes it: [(bytes, small, stream, [(offset, size,
+    requested, ptr)])], ptr the block's address (its pointer in the trace). The segments are
+    the snapshot's, less those the history made and plus those it gave back; the blocks are
+    those made before the history began. None where that cannot be told: expandable segments
+    (mapped piecewise), or a block outside every segment."""
+    dev = trace.meta["device"]
+    events = snap["device_traces"][dev]
+    segments = {}
+    for s in snap.get("segments") or []:
+        if isinstance(s, dict) and s.get("device", 0) == dev:
+            if s.get("is_expandable"):
+                return None
+            segments[s["address"]] = [s["total_size"], s.get("segment_type") == "small",
+                                      s.get("stream", 0), {b["address"]: b["size"] for b in s["blocks"]
+                                                           if b.get("state") in _IN_USE}]
+    for e in reversed(events):  # undo the history's segment actions, last first
+        act = e.get("action") if isinstance(e, dict) else None
+        if act in ("segment_map", "segment_unmap"):
+            return None
+        if act == "segment_alloc":
+            segments.pop(e.get("addr"), None)
+        elif act == "segment_free" and isinstance(e.get("addr"), int) and isinstance(e.get("size"), int):
+            # A segment of 2 MiB is the small pool's (the large pool's are 20 MiB, or at least
+            # the 10 MiB of the request they were made for).
+            segments[e["addr"]] = [e["size"], e["size"] == 2 << 20, e.get("stream", 0), {}]
+    n = int(trace.meta.get("earlier_blocks", 0))
+    # Those the history frees are not the blocks the snapshot may show at their addresses.
+    freed = set(trace.ptr[n:][trace.action[n:] == FREE].tolist())
+    starts = sorted(segments)
+    blocks: dict[int, list] = {a: [] for a in starts}
+    for addr, requested in zip(trace.ptr[:n].tolist(), trace.size[:n].tolist()):
+        k = bisect.bisect_right(starts, addr) - 1
+        if k < 0 or addr >= starts[k] + segments[starts[k]][0]:
+            return None
+        blocks[starts[k]].append((addr, requested))
+    out = []
+    for a in starts:
+        size, small, stream, sizes = segments[a]
+        placed = sorted(blocks[a])
+        rows = []
+        for i, (addr, requested) in enumerate(placed):
+            end = placed[i + 1][0] if i + 1 < len(placed) else a + size
+            block = (None if addr in freed else sizes.get(addr)) or -(-requested // 512) * 512
+            # The large pool leaves no free block of 1 MiB or less beside one in use: a gap
+            # that small after it is its own, unsplit tail.
+            if not small and 0 < end - (addr + block) <= 1 << 20:
+                block = end - addr
+            if addr + block > end:
+                return None
+            rows.append((addr - a, block, requested, addr))
+        out.append((size, small, stream if isinstance(stream, int) else 0, rows))
+    return out
