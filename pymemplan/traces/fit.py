@@ -2,10 +2,12 @@
 
 An out-of-memory error is a verdict on a request *and* an allocator: the same program may
 have run under another one, or under PyTorch's with other settings. Given the requests (a
-trace; for a snapshot, its history with the blocks made before it placed first), each
-policy is replayed on a simulated device of the capacity the program had, with the
-requests that failed asked again, and on devices of every size down to the smallest that
-holds its requests:
+trace; for a snapshot, its history, with the blocks made before it), each policy is
+replayed on a simulated device of the capacity the program had, with the requests that
+failed asked again, and on devices of every size down to the smallest that holds its
+requests. The model of the recorded allocator starts from the layout the snapshot says the
+run had where the history begins; the others, whose layout of those blocks nothing
+recorded, place them first, in address order:
 
     fit = compare_fit(read_trace("oom.pickle"), capacity="79GiB")
     print(fit)        # a row per allocator: peak reserved, smallest device, fits or not
@@ -42,7 +44,8 @@ class AllocatorFit:
     # The smallest device (a multiple of the granularity) found to hold every request, by
     # bisection between the live peak and peak_reserved_bytes; failing is not monotone in
     # the capacity for every allocator, so a smaller one may happen to run too. None: not
-    # even the largest device the simulation models (64 TiB of 2 MiB pages) holds them.
+    # even the largest device the simulation models (64 TiB of 2 MiB pages) holds them, or
+    # not asked for (compare_fit's smallest=False).
     smallest_device_bytes: int | None
     ooms: int | None = None     # requests refused on the device of `capacity_bytes`
     fits: bool | None = None    # all served there; None where no capacity is known
