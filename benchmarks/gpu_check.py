@@ -19,6 +19,10 @@ against the peak reserved. It also records each model's run under PyTorch's allo
 peak, what the replay engine's model of that allocator reserves on the recorded run, and how
 closely the planner's predicted step follows the recorded step's allocations, in order
 (``allocation_match``: whether a plan made from the prediction could serve the first steps).
+Before the training runs it makes a run that does not fit (GPT-2 small at a batch a fifth
+past the device's memory, its history recorded from after the model is built) and reports
+what `pymemplan explain` tells from the snapshot dumped at the error (``oom_snapshot``: the
+capacity read from it beside the device's memory, each allocator's verdict, the advice).
 First it replays two random training loops through the plugin with each of our policies and
 GMLake's model (benchmarks/gpu_replay.py: what a driver call costs on this GPU, and the CUDA path's peak and
 driver calls beside the simulated device's). Writes benchmarks/results/gpu_check.json, after each stage.
@@ -149,6 +153,57 @@ RECORDER = SETUP + textwrap.dedent("""
 """)
 
 
+# A run that does not fit: GPT-2 small under Adam at a batch past the device's memory, its
+# allocation history recorded from after the model is built (the weights are made before it,
+# as in most runs), the snapshot dumped at the out-of-memory error, as a user would.
+OOM_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    path, batch = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    try:
+        ids = torch.randint(0, 50257, (batch, 1024), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        failed = False
+    except torch.cuda.OutOfMemoryError:
+        failed = True
+        torch.cuda.memory._dump_snapshot(path)
+    free, total = torch.cuda.mem_get_info()
+    print(json.dumps({"failed": failed, "batch": batch, "total_bytes": total}))
+""")
+
+# GPT-2 small at 1024 tokens holds about 1.7 GiB a sample at its peak under Adam: a batch
+# past the device's memory by a fifth.
+OOM_BYTES_PER_SAMPLE = int(1.7 * 2**30)
+
+
+def oom_batch(total_bytes: int) -> int:
+    return int(1.2 * total_bytes / OOM_BYTES_PER_SAMPLE) + 1
+
+
+def oom_summary(snapshot, total_bytes: int) -> dict:
+    """What `pymemplan explain` tells from a snapshot at an OOM: each allocator's verdict on
+    the memory the snapshot says the program had, beside the device's whole memory."""
+    from pymemplan.traces import explain_snapshot, snapshot_fit
+
+    fit = snapshot_fit(snapshot)
+    why = explain_snapshot(snapshot, device=0, top=0)
+    return {"capacity_bytes": fit.capacity_bytes, "capacity_source": fit.capacity_source,
+            "device_total_bytes": total_bytes, "events": fit.events,
+            "failed_requests": fit.failed_requests, "peak_live_bytes": fit.peak_live_bytes,
+            "reserved_bytes": why.reserved_bytes, "fragment_bytes": why.fragment_bytes,
+            "cached_bytes": why.cached_bytes,
+            "rows": [{"policy": r.policy, "fits": r.fits,
+                      "smallest_device_bytes": r.smallest_device_bytes,
+                      "peak_reserved_bytes": r.peak_reserved_bytes} for r in fit.rows],
+            "notes": fit.notes, "advice": fit.advice}
+
+
 # The worker's step, on the meta device, for the planner: (model, inputs, loss_fn).
 def _step_on_meta(model_name):
     import torch
@@ -271,7 +326,7 @@ def main() -> int:
         print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
     tests = subprocess.run(gpu_tests_command(), timeout=300)
-    rows, recorded, replays = [], {}, []
+    rows, recorded, replays, oom = [], {}, [], None
 
     def save():
         # After each stage, so that a run cut short still leaves what it measured.
@@ -280,7 +335,8 @@ def main() -> int:
                                       "torch": torch.__version__,
                                       "gpu_tests_exit_code": tests.returncode,
                                       "runs": rows, "recorded": recorded,
-                                      "driver_calls": replays}, indent=2) + "\n")
+                                      "driver_calls": replays, "oom_snapshot": oom},
+                                     indent=2) + "\n")
 
     # What the policies' driver calls cost here (benchmarks/gpu_replay.py): traces replayed
     # through the plugin on this GPU, beside the same policy on the simulated device.
@@ -291,6 +347,19 @@ def main() -> int:
                                  timeout=240)
     except (subprocess.SubprocessError, OSError) as e:
         replays = [{"error": str(e)[-2000:]}]
+    save()
+    # A run that does not fit, and what its snapshot tells (pymemplan explain).
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "oom.pickle")
+        total = torch.cuda.get_device_properties(0).total_memory
+        try:
+            r = subprocess.run([sys.executable, "-c", OOM_WORKER, path, str(oom_batch(total))],
+                               capture_output=True, text=True, timeout=240, check=True)
+            ran = json.loads(r.stdout.strip().splitlines()[-1])
+            oom = {**ran, **oom_summary(path, ran["total_bytes"])} if ran["failed"] else ran
+        except (subprocess.SubprocessError, OSError, ValueError) as e:
+            oom = {"error": str(e)[-2000:] + (getattr(e, "stderr", None) or "")[-2000:]}
+    print(f"oom snapshot: {json.dumps(oom)[:600]}", flush=True)
     save()
     for model in ("resnet50", "gpt2"):
         predicted = predictions(model, with_trace=True)
@@ -333,7 +402,9 @@ def main() -> int:
     save()
     print(f"-> {RESULT}")
     replayed = all("error" not in r for r in replays)
-    return 0 if tests.returncode == 0 and replayed and all("error" not in r for r in rows) else 1
+    oom_told = oom is not None and "error" not in oom and oom.get("failed")
+    return 0 if (tests.returncode == 0 and replayed and oom_told
+                 and all("error" not in r for r in rows)) else 1
 
 
 if __name__ == "__main__":

@@ -56,3 +56,24 @@ def test_the_gpu_tests_run_where_pytest_xdist_is_missing():
     plain = subprocess.run([sys.executable, "-m", "pytest", *without_xdist, "-m", "gpu", "-q",
                             cmd[-1]], capture_output=True, text=True, timeout=300)
     assert plain.returncode != 0 and "unrecognized arguments: -n" in plain.stderr
+
+
+def test_the_oom_stage_reads_a_snapshot_as_pytorch_dumps_it(tmp_path):
+    """gpu_check's OOM stage, on a snapshot of the model of PyTorch's allocator instead of
+    the GPU's: the capacity it reads is the device's, and the recorded allocator fails."""
+    import pickle
+
+    from gpu_check import OOM_BYTES_PER_SAMPLE, oom_batch, oom_summary
+
+    from pymemplan.traces import read_trace
+    from pymemplan.traces.fit import oom_snapshot
+
+    assert oom_batch(80 << 30) * OOM_BYTES_PER_SAMPLE > 1.2 * (80 << 30)
+    trace = read_trace(Path(__file__).parent / "data" / "gru_seq2seq_small.csv.gz")
+    snap, _ = oom_snapshot(trace, 24 << 20, keep=500)
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    out = oom_summary(str(path), 24 << 20)
+    assert out["capacity_bytes"] == 24 << 20 and out["failed_requests"] == 1
+    assert out["rows"][0]["policy"] == "torch" and out["rows"][0]["fits"] is False
+    assert out["reserved_bytes"] <= out["capacity_bytes"] and out["advice"]
