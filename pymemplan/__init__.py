@@ -19,7 +19,7 @@ _ALLOCATOR_API = frozenset({
     "is_out_of_memory", "last_error", "library_path", "load_plans", "mark_step",
     "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
-    "memory_summary", "oom_as_torch_error", "reset_accumulated_memory_stats",
+    "memory_summary", "oom_as_torch_error", "record_memory_history", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "save_plans", "save_snapshot", "set_memory_limit", "share_pages",
     "snapshot",
 })

@@ -623,6 +623,60 @@ def test_stats_snapshot_and_summary_of_the_live_plugin(tmp_path):
     del torch
 
 
+def test_the_plugin_records_its_allocation_history_for_pymemplan_explain(tmp_path):
+    """record_memory_history keeps the last N actions in snapshot()'s device_traces, in
+    PyTorch's trace-entry shape; `pymemplan explain` replays them, pymemplan's own policy first,
+    on the memory the device had; a virtual segment counts its mapped pages only."""
+    path = tmp_path / "snap.pickle"
+    run_fake(f"""
+        configure(policy="pymemplan-vmm", oom_action="null")
+        lib = _library.load()
+        from pymemplan.traces import explain_snapshot
+        lib.pymemplan_alloc(MiB, 0, None)  # before recording: not in the history
+        pymemplan.record_memory_history(max_entries=5)
+        a, b, c = (lib.pymemplan_alloc(n * MiB, 0, None) for n in (3, 5, 7))
+        lib.pymemplan_free(b, 5 * MiB, 0, None)
+        assert not lib.pymemplan_alloc(60 * MiB, 0, None)  # over the 64 MiB device
+        trace = pymemplan.snapshot(0)["device_traces"][0]
+        assert [e["action"] for e in trace] == ["alloc", "alloc", "alloc", "free_completed", "oom"]
+        assert [e["size"] for e in trace] == [3 * MiB, 5 * MiB, 7 * MiB, 5 * MiB, 60 * MiB]
+        assert trace[1]["addr"] == trace[3]["addr"] == b and trace[0]["addr"] == a
+        assert trace[4]["device_free"] == 64 * MiB - pymemplan.memory_reserved(0)
+        assert [e["time_us"] for e in trace] == sorted(e["time_us"] for e in trace)
+        lib.pymemplan_free(c, 7 * MiB, 0, None)  # the oldest entry goes
+        assert [e["action"] for e in pymemplan.snapshot(0)["device_traces"][0]][0] == "alloc"
+        assert len(pymemplan.snapshot(0)["device_traces"][0]) == 5
+        snap = pymemplan.snapshot(0)
+        assert snap["allocator_settings"]["pymemplan_policy"].startswith("pymemplan-vmm=")
+        # Only the mapped pages of the virtual segment are reserved memory.
+        assert explain_snapshot(snap).reserved_bytes == pymemplan.memory_reserved(0)
+        pymemplan.save_snapshot({str(path)!r})
+        pymemplan.record_memory_history(0)
+        assert pymemplan.snapshot(0)["device_traces"][0] == []
+        for bad in (-1, 2.5, True):
+            try:
+                pymemplan.record_memory_history(bad)
+            except ValueError as e:
+                assert "max_entries must be an integer >= 0" in str(e)
+            else:
+                raise AssertionError(bad)
+    """, FAKECUDA_CAPACITY="64MiB")
+    from pymemplan.traces import snapshot_fit
+
+    fit = snapshot_fit(path)
+    assert fit.rows[0].policy == "pymemplan-vmm" and "torch" in [r.policy for r in fit.rows]
+    assert fit.capacity_bytes == 64 * MiB and fit.failed_requests == 1
+    # 1 MiB made before the history, 3 and 7 MiB, then the failed 60 MiB: 71 MiB live.
+    assert fit.peak_live_bytes == 71 * MiB and not any(r.fits for r in fit.rows)
+    assert "no allocator fits" in fit.advice
+    # PyTorch's viewer draws the history (pytorch.org/memory_viz reads the same).
+    torch = pytest.importorskip("torch")
+    from torch.cuda import _memory_viz
+
+    assert "<html" in _memory_viz.trace_plot(pickle.loads(path.read_bytes())).lower()
+    del torch
+
+
 def test_oom_under_oom_action_null_returns_null_with_a_full_message():
     run_fake("""
         keep = lib.pymemplan_alloc(3 * MiB, 0, None)

@@ -3,9 +3,12 @@
 // allocator throws and turns it into a return value and a per-thread last error.
 #include "pymemplan_alloc.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <deque>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -31,6 +34,23 @@ struct PluginConfig {
   bool raise_on_oom = true;  // oom_action:raise (see pymemplan_alloc.h)
 };
 
+// One action of the allocation history (pymemplan_record_history), as PyTorch's
+// torch.cuda.memory._record_memory_history() keeps its TraceEntry.
+struct HistoryEntry {
+  const char* action;  // "alloc", "free_completed", "oom"
+  std::uintptr_t addr;  // "oom": free device memory (PyTorch's device_free)
+  std::int64_t size;    // bytes requested
+  std::uintptr_t stream;
+  std::int64_t time_us;
+};
+
+// A device's history: the last `max` entries (0: not recording).
+struct History {
+  std::mutex mutex;
+  std::size_t max = 0;
+  std::deque<HistoryEntry> entries;
+};
+
 struct Plugin {
   std::mutex mutex;  // guards creation and configuration; lookups are lock-free
   PluginConfig config;
@@ -45,11 +65,30 @@ struct Plugin {
   // once (see InFlight).
   std::array<std::atomic<int>, kMaxDevices> in_flight{};
   std::array<std::atomic<bool>, kMaxDevices> threads_overlapped{};
+  // The allocation history per device; `recording` is read on every request, the rest only
+  // while it is set.
+  std::array<std::atomic<bool>, kMaxDevices> recording{};
+  std::array<History, kMaxDevices> history;
 };
 
 Plugin& plugin() {
   static Plugin* p = new Plugin;  // lives until exit: tensors may be freed during teardown
   return *p;
+}
+
+void record(int device, const char* action, std::uintptr_t addr, std::int64_t size,
+            std::uintptr_t stream) {
+  if (device < 0 || device >= kMaxDevices) return;
+  Plugin& p = plugin();
+  if (!p.recording[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) return;
+  const auto now = std::chrono::duration_cast<std::chrono::microseconds>(
+                       std::chrono::system_clock::now().time_since_epoch())
+                       .count();
+  History& h = p.history[static_cast<std::size_t>(device)];
+  std::lock_guard<std::mutex> lock(h.mutex);
+  if (h.max == 0) return;
+  if (h.entries.size() == h.max) h.entries.pop_front();
+  h.entries.push_back({action, addr, size, stream, static_cast<std::int64_t>(now)});
 }
 
 // Never destroyed: frees during thread or process teardown (a tensor held by a thread-local
@@ -229,9 +268,12 @@ std::string stats_json(const Stats& s) {
   return out.str();
 }
 
-std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device) {
+std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device,
+                          const std::string& policy) {
   std::ostringstream out;
-  out << "{\"segments\":[";
+  // The policy as a replay names it ("pymemplan-vmm=key:value,..."): no quote or backslash
+  // can be in it (config values are validated).
+  out << "{\"policy\":\"" << policy << "\",\"segments\":[";
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const SegmentInfo& s = segments[i];
     out << (i ? "," : "") << "{\"device\":" << device << ",\"address\":" << s.address
@@ -239,7 +281,21 @@ std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device) 
         << ",\"active_size\":" << s.active_size << ",\"requested_size\":" << s.requested_size
         << ",\"stream\":" << s.stream << ",\"segment_type\":\"" << s.segment_type
         << "\",\"segment_pool_id\":[0,0],\"is_expandable\":" << (s.is_virtual ? "true" : "false")
-        << ",\"mapped_size\":" << s.mapped_size << ",\"frames\":[],\"blocks\":[";
+        << ",\"mapped_size\":" << s.mapped_size;
+    if (s.is_virtual) {
+      // Which pages hold memory, as the Python module's snapshots say it: what
+      // `pymemplan explain` counts (a virtual segment's total_size is address space).
+      auto flags = [&out](const char* key, const std::vector<bool>& v) {
+        out << ",\"" << key << "\":[";
+        for (std::size_t k = 0; k < v.size(); ++k) out << (k ? "," : "") << (v[k] ? "true" : "false");
+        out << ']';
+      };
+      out << ",\"page_size\":" << s.page_size << ",\"chunk_size\":" << s.chunk_size
+          << ",\"torch_expandable\":" << (s.torch_expandable ? "true" : "false");
+      flags("page_mapped", s.page_mapped);
+      flags("page_aliased", s.page_aliased);
+    }
+    out << ",\"frames\":[],\"blocks\":[";
     for (std::size_t j = 0; j < s.blocks.size(); ++j) {
       const BlockInfo& b = s.blocks[j];
       out << (j ? "," : "") << "{\"address\":" << b.address << ",\"size\":" << b.size
@@ -267,7 +323,17 @@ void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
       return nullptr;
     }
     void* p = a.try_malloc(static_cast<std::int64_t>(size), reinterpret_cast<StreamId>(stream));
-    if (p == nullptr) set_error(allocator_for(device).last_error());
+    const auto s = reinterpret_cast<std::uintptr_t>(stream);
+    if (p != nullptr) {
+      record(device, "alloc", reinterpret_cast<std::uintptr_t>(p), size, s);
+    } else {
+      set_error(allocator_for(device).last_error());
+      // What the device has left for this allocator, as PyTorch's device_free says it.
+      const auto held = static_cast<std::size_t>(std::max<std::int64_t>(a.reserved_bytes(), 0));
+      const std::size_t capacity =
+          plugin().devices[static_cast<std::size_t>(device)].load(std::memory_order_acquire)->capacity();
+      record(device, "oom", capacity > held ? capacity - held : 0, size, s);
+    }
     return p;
   } catch (const std::exception& e) {
     set_error(std::string("pymemplan: allocation failed: ") + e.what());
@@ -287,12 +353,15 @@ void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
   return p;
 }
 
-void pymemplan_free(void* ptr, ssize_t, int device, pymemplan_stream_t) {
+void pymemplan_free(void* ptr, ssize_t size, int device, pymemplan_stream_t stream) {
   if (ptr == nullptr) return;
   if (guarded([&] { allocator_for(device).free(ptr); }) != 0) {
     // Nobody can receive an error from a deleter; say it where a user will see it.
     std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
+    return;
   }
+  record(device, "free_completed", reinterpret_cast<std::uintptr_t>(ptr), size,
+         reinterpret_cast<std::uintptr_t>(stream));
 }
 
 void pymemplan_init(int) {}  // allocators are created per device on first use
@@ -351,7 +420,15 @@ long pymemplan_snapshot_json(int device, char* buf, std::size_t len) {
   guarded([&] {
     if (device < 0 || device >= kMaxDevices) throw DeviceError("invalid device " + std::to_string(device));
     Allocator* a = existing_allocator(device);
-    n = write_out(snapshot_json(a != nullptr ? a->snapshot() : std::vector<SegmentInfo>{}, device),
+    std::string policy;
+    if (a != nullptr) {
+      policy = a->policy_name() + "=" + a->config_string();
+    } else {
+      std::lock_guard<std::mutex> lock(plugin().mutex);
+      policy = plugin().config.policy + "=" + plugin().config.config;
+    }
+    n = write_out(snapshot_json(a != nullptr ? a->snapshot() : std::vector<SegmentInfo>{}, device,
+                                policy),
                   buf, len);
   });
   return n;
@@ -447,6 +524,49 @@ int pymemplan_stage_plans(int device, const char* text) {
 }
 
 const char* pymemplan_last_error(void) { return thread_last_error().c_str(); }
+
+int pymemplan_record_history(int device, size_t max_entries) {
+  return guarded([&] {
+    if (device < -1 || device >= kMaxDevices) {
+      throw DeviceError("invalid CUDA device index " + std::to_string(device));
+    }
+    Plugin& p = plugin();
+    for (int d = device < 0 ? 0 : device; d < (device < 0 ? kMaxDevices : device + 1); ++d) {
+      History& h = p.history[static_cast<std::size_t>(d)];
+      std::lock_guard<std::mutex> lock(h.mutex);
+      h.max = max_entries;
+      if (max_entries == 0) h.entries.clear();
+      while (h.entries.size() > max_entries) h.entries.pop_front();
+      p.recording[static_cast<std::size_t>(d)].store(max_entries != 0, std::memory_order_relaxed);
+    }
+  });
+}
+
+long pymemplan_history_json(int device, char* buf, size_t len) {
+  long n = -1;
+  guarded([&] {
+    if (device < 0 || device >= kMaxDevices) {
+      throw DeviceError("invalid CUDA device index " + std::to_string(device));
+    }
+    History& h = plugin().history[static_cast<std::size_t>(device)];
+    std::ostringstream out;
+    {
+      std::lock_guard<std::mutex> lock(h.mutex);
+      out << '[';
+      bool first = true;
+      for (const HistoryEntry& e : h.entries) {
+        const bool oom = std::strcmp(e.action, "oom") == 0;
+        out << (first ? "" : ",") << "{\"action\":\"" << e.action << "\",\""
+            << (oom ? "device_free" : "addr") << "\":" << e.addr << ",\"size\":" << e.size
+            << ",\"stream\":" << e.stream << ",\"time_us\":" << e.time_us << ",\"frames\":[]}";
+        first = false;
+      }
+      out << ']';
+    }
+    n = write_out(out.str(), buf, len);
+  });
+  return n;
+}
 
 int pymemplan_device_count(void) {
   int count = -1;

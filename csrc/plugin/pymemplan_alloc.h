@@ -72,6 +72,13 @@ int pymemplan_import_plans(int device, const char* text, size_t* added);
  * does not touch the driver. Text for one device wins over text for every device. Fails for
  * another policy, or text an existing allocator refuses. */
 int pymemplan_stage_plans(int device, const char* text);
+/* Keeps the last max_entries allocations, frees and out-of-memory errors of a device (-1:
+ * every device), as torch.cuda.memory._record_memory_history() does for PyTorch's allocator
+ * (which a pluggable allocator does not reach); 0 stops and forgets them. */
+int pymemplan_record_history(int device, size_t max_entries);
+/* The history, oldest first, as a JSON list of PyTorch's trace entries ("alloc",
+ * "free_completed", "oom" with device_free), with the protocol of pymemplan_stats_json. */
+long pymemplan_history_json(int device, char* buf, size_t len);
 /* The last error of the calling thread (OOM message, bad pointer, driver failure), or "". */
 const char* pymemplan_last_error(void);
 /* Number of devices the driver reports, or -1 with last_error set (no driver, ...). */

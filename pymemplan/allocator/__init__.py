@@ -22,8 +22,9 @@ Known incompatibilities of every pluggable allocator, pymemplan included:
   raise. enable() warns when it is on; keep it False.
 - CUDA graphs: capturing with a private memory pool (``torch.cuda.graph``,
   ``torch.compile(mode="reduce-overhead")``) is not supported.
-- ``torch.cuda.memory._record_memory_history()`` records nothing; snapshot() has segments
-  and blocks but no allocation history (its "device_traces" are empty).
+- ``torch.cuda.memory._record_memory_history()`` records nothing; call
+  ``pymemplan.record_memory_history(max_entries=...)`` instead: snapshot() then has the
+  allocation history in "device_traces" (allocations, frees, out-of-memory errors; no stacks).
 - An out-of-memory error is a RuntimeError starting with "pymemplan: out of memory", not
   torch.cuda.OutOfMemoryError; wrap code that catches the latter in oom_as_torch_error().
 """
@@ -43,6 +44,7 @@ from ._stats import (
     memory_reserved,
     memory_stats,
     memory_summary,
+    record_memory_history,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
     save_plans,
@@ -73,6 +75,7 @@ __all__ = [
     "memory_stats",
     "memory_summary",
     "oom_as_torch_error",
+    "record_memory_history",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "save_plans",

@@ -59,6 +59,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pymemplan_import_plans": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p,
                                               ctypes.POINTER(ctypes.c_size_t)]),
     "pymemplan_stage_plans": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]),
+    "pymemplan_record_history": (ctypes.c_int, [ctypes.c_int, ctypes.c_size_t]),
+    "pymemplan_history_json": (ctypes.c_long, [ctypes.c_int, _c_buffer, ctypes.c_size_t]),
     "pymemplan_last_error": (ctypes.c_char_p, []),
     "pymemplan_device_count": (ctypes.c_int, []),
 }

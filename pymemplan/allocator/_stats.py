@@ -226,18 +226,39 @@ def snapshot(device: Any = None) -> dict[str, Any]:
     """The allocator's segments and blocks, in torch.cuda.memory._snapshot() shape.
 
     device=None takes every device, as torch's snapshot does; an index takes one. Each
-    segment carries "device". "device_traces" has one empty list per device: pymemplan
-    keeps no allocation history.
+    segment carries "device". "device_traces" has one list per device: its allocation
+    history, where record_memory_history() keeps one (else empty). "allocator_settings"
+    names pymemplan's policy ("pymemplan_policy"), so that `pymemplan explain` replays the
+    history under it as the recorded allocator.
     """
     lib = _library.load()
     devices = _all_devices() if device is None else [device_index(device)]
-    segments = []
+    segments, traces, policy = [], [[] for _ in range(max(devices) + 1)], None
     for index in devices:
         part = _library.read_json(lib.pymemplan_snapshot_json, index, f"snapshot(device={index})")
+        policy = part.get("policy") or policy
         for segment in part["segments"]:
             segment["device"] = index
             segments.append(segment)
-    return {"segments": segments, "device_traces": [[] for _ in range(max(devices) + 1)]}
+        traces[index] = _library.read_json(lib.pymemplan_history_json, index,
+                                           f"history(device={index})")
+    return {"segments": segments, "device_traces": traces,
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "pymemplan_policy": policy}}
+
+
+def record_memory_history(max_entries: int = 100_000, device: Any = None) -> None:
+    """Keep the last `max_entries` allocations, frees and out-of-memory errors of pymemplan's
+    allocator (of `device`; every device by default), in snapshot()'s "device_traces", as
+    ``torch.cuda.memory._record_memory_history(max_entries=...)`` does for PyTorch's own
+    allocator (which, under a pluggable allocator, records nothing). ``max_entries=0`` stops
+    and forgets. A snapshot saved with it (save_snapshot) is what ``pymemplan explain``
+    replays under the other allocators. No stacks are recorded."""
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+        raise ValueError(f"max_entries must be an integer >= 0, got {max_entries!r}")
+    lib = _library.load()
+    index = -1 if device is None else device_index(device)
+    _library.check(lib.pymemplan_record_history(index, max_entries),
+                   f"record_memory_history(device={device!r})")
 
 
 def explain_memory(device: Any = None):

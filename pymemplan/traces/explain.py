@@ -152,7 +152,7 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
 
     Raises TraceError for a file that is not a snapshot, ValueError for a snapshot without
     segments on `device` or a bad `top`."""
-    from .snapshot import load_snapshot_segments
+    from .snapshot import load_snapshot_segments, segment_reserved
 
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
@@ -169,10 +169,7 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
                             " (it has no segment at all: nothing was allocated)"))
     reserved = allocated = requested = 0
     for seg in segments:
-        if "page_mapped" in seg:
-            reserved += seg["mapped_size"]
-        else:
-            reserved += seg["total_size"]
+        reserved += segment_reserved(seg)
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
                 requested += b.get("requested_size") or b["size"]

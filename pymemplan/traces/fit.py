@@ -140,7 +140,7 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
     gran = parse_bytes(granularity)
     if policies is None:
         policies = [recorded or "torch"]
-        policies += [p for p in OTHER_POLICIES if p not in policies]
+        policies += [p for p in ("torch", *OTHER_POLICIES) if p not in policies]
     parsed = []
     for spec in policies:
         try:
@@ -195,7 +195,7 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
             f"overstated. A longer history (max_entries), or the device's memory as the "
             f"capacity, makes the comparison closer.")
     if cap is not None and failed:
-        out.advice = _advice([r for r in out.rows if r.policy != recorded], cap, live)
+        out.advice = _advice([r for r in out.rows if r.policy != recorded], out.rows, cap, live)
     if trace.meta.get("earlier_blocks"):
         out.notes.append(
             f"{trace.meta['earlier_blocks']:,} block(s) ({format_bytes(trace.meta['earlier_bytes'])}) "
@@ -225,8 +225,10 @@ def _how_to_use(policy: str) -> str:
 _PREFERENCE = {"torch": 0, "pymemplan-vmm": 1, "pymemplan-planned": 2, "pymemplan": 3}
 
 
-def _advice(rows: list[AllocatorFit], cap: int, live: int) -> str:
-    fitting = [r for r in rows if r.fits]
+def _advice(others: list[AllocatorFit], rows: list[AllocatorFit], cap: int, live: int) -> str:
+    """How to switch to the allocator among `others` that fits with least change; where none
+    does, the least device any of `rows` needs."""
+    fitting = [r for r in others if r.fits]
     if fitting:
         best = min(fitting, key=lambda r: _PREFERENCE.get(r.policy.partition("=")[0], 9))
         room = ("" if best.smallest_device_bytes is None else
@@ -295,7 +297,18 @@ def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies
                          f"torch.cuda.memory._record_memory_history(max_entries=...) before the "
                          f"run, so that its requests can be replayed under other allocators")
     conf = snapshot_allocator_conf(snap)
-    recorded, left = torch_policy_from_conf(conf)
+    ours = (snap.get("allocator_settings") or {}).get("pymemplan_policy")
+    if isinstance(ours, str) and ours:  # pymemplan.save_snapshot: the plugin's own policy
+        try:
+            parse_policy(ours)
+        except _core.AllocatorError as e:
+            raise ValueError(f"{where}: the snapshot's pymemplan policy {ours!r}: {e}") from None
+        name, _, config = ours.partition("=")
+        # Named alone where its config is the policy's default.
+        default = _core.parse_config(name, "") == _core.parse_config(name, config)
+        recorded, left = (name if default else ours), []
+    else:
+        recorded, left = torch_policy_from_conf(conf)
     source = "given"
     if capacity is None:
         at_oom = snapshot_oom_capacity(snap, dev)

@@ -290,6 +290,12 @@ def _int_field(e: dict, key: str, where: str, i: int, default=None) -> int:
 _GROWS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
 
+def segment_reserved(seg: dict) -> int:
+    """The device memory a snapshot's segment holds: its mapped pages where it says which
+    (pymemplan's virtual segments, whose total_size is address space), else its size."""
+    return int(seg["mapped_size"] if "page_mapped" in seg else seg.get("total_size", 0))
+
+
 def snapshot_oom_capacity(snap: dict, device: int) -> tuple[int, int, int] | None:
     """(capacity, reserved, free) at the device's last out-of-memory error in the history:
     the memory PyTorch could have had then, as what it had reserved (the snapshot's segments,
@@ -306,7 +312,7 @@ def snapshot_oom_capacity(snap: dict, device: int) -> tuple[int, int, int] | Non
     free = events[last].get("device_free")
     if not isinstance(free, int) or isinstance(free, bool) or free < 0:
         return None
-    reserved = sum(int(s.get("total_size", 0)) for s in segments)
+    reserved = sum(segment_reserved(s) for s in segments)
     for e in events[last + 1:]:
         sign = _GROWS.get(e.get("action")) if isinstance(e, dict) else None
         if sign and isinstance(e.get("size"), int):
