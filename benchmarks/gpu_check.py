@@ -20,7 +20,8 @@ peak, what the replay engine's model of that allocator reserves on the recorded 
 closely the planner's predicted step follows the recorded step's allocations, in order
 (``allocation_match``: whether a plan made from the prediction could serve the first steps).
 Before the training runs it makes a run that does not fit (GPT-2 small at a batch a fifth
-past the device's memory, its history recorded from after the model is built) and reports
+past the device's memory, its history recorded from after the model is built), under
+PyTorch's allocator and under pymemplan-vmm (pymemplan.record_memory_history), and reports
 what `pymemplan explain` tells from the snapshot dumped at the error (``oom_snapshot``: the
 capacity read from it beside the device's memory, each allocator's verdict, the advice).
 First it replays two random training loops through the plugin with each of our policies and
@@ -158,24 +159,35 @@ RECORDER = SETUP + textwrap.dedent("""
 # as in most runs), the snapshot dumped at the out-of-memory error, as a user would.
 OOM_WORKER = textwrap.dedent("""
     import json, sys
+    import pymemplan  # enables itself when PYMEMPLAN_ENABLE=1
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     path, batch = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config()).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    torch.cuda.memory._record_memory_history(max_entries=100000)
+    ours = pymemplan.is_enabled()
+    if ours:
+        pymemplan.record_memory_history(max_entries=100000)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=100000)
     try:
         ids = torch.randint(0, 50257, (batch, 1024), device="cuda")
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         failed = False
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not (isinstance(e, torch.cuda.OutOfMemoryError) or pymemplan.is_out_of_memory(e)):
+            raise
         failed = True
-        torch.cuda.memory._dump_snapshot(path)
-    free, total = torch.cuda.mem_get_info()
+        pymemplan.save_snapshot(path) if ours else torch.cuda.memory._dump_snapshot(path)
+    total = torch.cuda.get_device_properties(0).total_memory
     print(json.dumps({"failed": failed, "batch": batch, "total_bytes": total}))
 """)
+
+# The allocators the OOM stage runs under: PyTorch's, and ours through the plugin with its
+# own history (pymemplan.record_memory_history).
+OOM_MODES = {"native": {}, "pymemplan_vmm": MODES["pymemplan_vmm"]}
 
 # GPT-2 small at 1024 tokens holds about 1.7 GiB a sample at its peak under Adam: a batch
 # past the device's memory by a fifth.
@@ -326,7 +338,7 @@ def main() -> int:
         print("gpu_check: no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
     tests = subprocess.run(gpu_tests_command(), timeout=300)
-    rows, recorded, replays, oom = [], {}, [], None
+    rows, recorded, replays, oom = [], {}, [], {}
 
     def save():
         # After each stage, so that a run cut short still leaves what it measured.
@@ -349,18 +361,20 @@ def main() -> int:
         replays = [{"error": str(e)[-2000:]}]
     save()
     # A run that does not fit, and what its snapshot tells (pymemplan explain).
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "oom.pickle")
-        total = torch.cuda.get_device_properties(0).total_memory
-        try:
-            r = subprocess.run([sys.executable, "-c", OOM_WORKER, path, str(oom_batch(total))],
-                               capture_output=True, text=True, timeout=240, check=True)
-            ran = json.loads(r.stdout.strip().splitlines()[-1])
-            oom = {**ran, **oom_summary(path, ran["total_bytes"])} if ran["failed"] else ran
-        except (subprocess.SubprocessError, OSError, ValueError) as e:
-            oom = {"error": str(e)[-2000:] + (getattr(e, "stderr", None) or "")[-2000:]}
-    print(f"oom snapshot: {json.dumps(oom)[:600]}", flush=True)
-    save()
+    total = torch.cuda.get_device_properties(0).total_memory
+    for mode, env in OOM_MODES.items():
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "oom.pickle")
+            try:
+                r = subprocess.run([sys.executable, "-c", OOM_WORKER, path, str(oom_batch(total))],
+                                   capture_output=True, text=True, timeout=240, check=True,
+                                   env={**os.environ, **env})
+                ran = json.loads(r.stdout.strip().splitlines()[-1])
+                oom[mode] = {**ran, **oom_summary(path, ran["total_bytes"])} if ran["failed"] else ran
+            except (subprocess.SubprocessError, OSError, ValueError) as e:
+                oom[mode] = {"error": str(e)[-2000:] + (getattr(e, "stderr", None) or "")[-2000:]}
+        print(f"oom snapshot ({mode}): {json.dumps(oom[mode])[:600]}", flush=True)
+        save()
     for model in ("resnet50", "gpt2"):
         predicted = predictions(model, with_trace=True)
         try:
@@ -402,7 +416,7 @@ def main() -> int:
     save()
     print(f"-> {RESULT}")
     replayed = all("error" not in r for r in replays)
-    oom_told = oom is not None and "error" not in oom and oom.get("failed")
+    oom_told = all("error" not in o and o.get("failed") for o in oom.values())
     return 0 if (tests.returncode == 0 and replayed and oom_told
                  and all("error" not in r for r in rows)) else 1
 
