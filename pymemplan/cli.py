@@ -26,8 +26,14 @@ def _replay(args: argparse.Namespace) -> int:
         if args.save_plans is not None and len(paths) != 1:
             raise ValueError(f"--save-plans writes the plans of one trace; {len(paths)} were "
                              "given (name one TRACE)")
+        placed = []
         for path in paths:
             trace = read_trace(path)
+            if trace.meta.get("earlier_blocks"):
+                placed.append(f"{trace.name}: {trace.meta['earlier_blocks']:,} block(s) "
+                              f"({format_bytes(trace.meta['earlier_bytes'])}) made before the "
+                              f"snapshot's history began are allocated at its start, in address "
+                              f"order: the program held them")
             replayed = replay(trace, policies, capacity=args.capacity,
                               granularity=args.granularity, plans=plans)
             rows = [r.to_dict() for r in replayed]
@@ -85,6 +91,8 @@ def _replay(args: argparse.Namespace) -> int:
                       show(r["ns_per_event"], "{:.0f}".format))
     # Piped output has no terminal width to fit; keep rows on one line.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+    for line in placed:
+        print(line)
     for why in explained:
         print()
         print("\n".join(why.lines()))

@@ -125,6 +125,8 @@ def test_an_oom_snapshot_tells_which_allocator_would_have_fit(tmp_path, capsys, 
     assert fit.peak_live_bytes >= failed
     if keep is not None:
         assert read_trace(path).meta["earlier_blocks"] > 0
+        assert main(["replay", str(path), "--policy", "torch"]) == 0
+        assert "made before the snapshot's history began" in capsys.readouterr().out
     assert main(["explain", str(path)]) == 0
     out = capsys.readouterr().out
     assert "does not fit" in out and "fits" in out and "reserved +" in out
