@@ -105,36 +105,29 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from .traces import TraceError, explain_snapshot
-    from .traces.fit import snapshot_fit
     from .traces.snapshot import load_snapshot_segments
 
-    fit = hint = None
     try:
         snap = load_snapshot_segments(args.snapshot)
-        why = explain_snapshot(snap, device=args.device, top=args.top)
-        if args.compare:
-            history = snap.get("device_traces")
-            if isinstance(history, list) and args.device < len(history) and history[args.device]:
-                fit = snapshot_fit(snap, device=args.device, capacity=args.capacity,
-                                   policies=args.policy, name=os.path.basename(args.snapshot))
-            else:
-                hint = ("No allocation history in the snapshot: record it with "
-                        "torch.cuda.memory._record_memory_history(max_entries=100000) before "
-                        "the run, and this command also replays its requests under other "
-                        "allocators, to tell which would have fit.")
+        why = explain_snapshot(snap, device=args.device, top=args.top, compare=args.compare,
+                               capacity=args.capacity, policies=args.policy)
     except (TraceError, ValueError, OSError) as e:
         print(f"pymemplan explain: {e}", file=sys.stderr)
         return 2
+    if why.fit is not None:
+        why.fit.trace = os.path.basename(args.snapshot)
     if args.json:
-        out = why.to_dict()
-        out["fit"] = None if fit is None else fit.to_dict()
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(why.to_dict(), sys.stdout, indent=2)
         print()
         return 0
     print("\n".join(why.lines()))
-    if fit is not None or hint:
+    if args.compare and why.fit is None:
         print()
-        print("\n".join(fit.lines()) if fit is not None else hint)
+        print("No allocation history in the snapshot: record it with "
+              "torch.cuda.memory._record_memory_history(max_entries=100000) before the run "
+              "(under pymemplan, pymemplan.record_memory_history(max_entries=100000)), and this "
+              "command also replays its requests under other allocators, to tell which would "
+              "have fit.")
     return 0
 
 

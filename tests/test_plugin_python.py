@@ -650,6 +650,10 @@ def test_the_plugin_records_its_allocation_history_for_pymemplan_explain(tmp_pat
         assert snap["allocator_settings"]["pymemplan_policy"].startswith("pymemplan-vmm=")
         # Only the mapped pages of the virtual segment are reserved memory.
         assert explain_snapshot(snap).reserved_bytes == pymemplan.memory_reserved(0)
+        now = pymemplan.explain_memory(0)  # in the program: the split, and the replays
+        assert now.fit.rows[0].policy == "pymemplan-vmm" and now.fit.capacity_bytes == 64 * MiB
+        assert "under each allocator" in str(now)
+        assert pymemplan.explain_memory(0, compare=False).fit is None
         pymemplan.save_snapshot({str(path)!r})
         pymemplan.record_memory_history(0)
         assert pymemplan.snapshot(0)["device_traces"][0] == []

@@ -261,12 +261,15 @@ def record_memory_history(max_entries: int = 100_000, device: Any = None) -> Non
                    f"record_memory_history(device={device!r})")
 
 
-def explain_memory(device: Any = None):
+def explain_memory(device: Any = None, *, compare: bool = True, capacity=None):
     """What reserved memory holds now on `device`: live, rounding, pending frees, cached,
     fragments, and the segments or pages holding the most fragments
     (pymemplan.traces.explain_snapshot). Of pymemplan's pool where it is in use, else of
     PyTorch's own allocator once it has initialized CUDA. At an out-of-memory error,
-    ``print(pymemplan.explain_memory())`` says what "reserved but unallocated" is made of.
+    ``print(pymemplan.explain_memory())`` says what "reserved but unallocated" is made of;
+    where allocation history is recorded (``torch.cuda.memory._record_memory_history()``, or
+    record_memory_history() under pymemplan) and `compare`, also which allocator would have
+    fit its requests (`fit`), on `capacity` or the memory the last OOM had.
 
     Raises ValueError where the device has no memory reserved."""
     from ..traces.explain import explain_snapshot
@@ -275,8 +278,10 @@ def explain_memory(device: Any = None):
     index = device_index(device)
     torch = sys.modules.get("torch")
     if not is_enabled() and torch is not None and torch.cuda.is_initialized():
-        return explain_snapshot(torch.cuda.memory._snapshot(), device=index)
-    return explain_snapshot(snapshot(index), device=index)
+        snap = torch.cuda.memory._snapshot()
+    else:
+        snap = snapshot(index)
+    return explain_snapshot(snap, device=index, compare=compare, capacity=capacity)
 
 
 def save_snapshot(path: str | os.PathLike[str]) -> None:

@@ -107,11 +107,17 @@ class SnapshotBlock:
 class MemoryExplanation(_Split):
     """What a snapshot's reserved memory holds, on one device (explain_snapshot)."""
     device: int
+    # Where asked for (compare=True) and the snapshot has allocation history: its requests
+    # replayed under each allocator (pymemplan.traces.fit.FitComparison); else None.
+    fit: object = None
 
     def lines(self) -> list[str]:
         """The explanation as text, a line per finding."""
         head = f"device {self.device}: {format_bytes(self.reserved_bytes)} reserved"
-        return _lines(self, head, [], lambda b: f"allocated at {b.site or '(no stack recorded)'}")
+        out = _lines(self, head, [], lambda b: f"allocated at {b.site or '(no stack recorded)'}")
+        if self.fit is not None:
+            out += ["", *self.fit.lines()]
+        return out
 
 
 def _share(b: int, whole: int) -> str:
@@ -138,7 +144,8 @@ def _lines(why, head: str, extra: list[str], describe) -> list[str]:
     return out
 
 
-def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplanation:
+def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool = False,
+                     capacity=None, policies=None) -> MemoryExplanation:
     """What reserved memory holds in `snapshot` on `device`: a snapshot dict
     (``torch.cuda.memory._snapshot()``, ``pymemplan.snapshot()``) or the path of a
     pickle of one (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
@@ -149,6 +156,10 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
 
     Snapshots of the model of GMLake (``_core.Allocator(..., "gmlake")``) are not split right:
     they show the pages lent to a stitched block as free (see `explain_peak`).
+
+    `compare`: where the snapshot has allocation history on `device`, also replay its
+    requests under each allocator (`fit`: pymemplan.traces.snapshot_fit, with `capacity`
+    and `policies`): which would have fit.
 
     Raises TraceError for a file that is not a snapshot, ValueError for a snapshot without
     segments on `device` or a bad `top`."""
@@ -182,8 +193,15 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5) -> MemoryExplan
                       [SnapshotBlock(b.get("requested_size") or b["size"], _site(b.get("frames")))
                        for b in blocks])
                for address, nbytes, free, largest, blocks in units[:top]]
+    fit = None
+    history = snapshot.get("device_traces")
+    if compare and isinstance(history, list) and device < len(history) and history[device]:
+        from .fit import snapshot_fit
+
+        fit = snapshot_fit(snapshot, device=device, capacity=capacity, policies=policies,
+                           name=f"device {device}")
     return MemoryExplanation(
-        device=device, reserved_bytes=reserved, live_bytes=requested,
+        device=device, fit=fit, reserved_bytes=reserved, live_bytes=requested,
         rounding_bytes=allocated - requested, pending_bytes=pending, cached_bytes=cached,
         fragment_bytes=reserved - allocated - pending - cached,
         unit="page" if paged else "segment", partly_used=len(units), holders=holders)
