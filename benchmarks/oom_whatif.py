@@ -50,7 +50,13 @@ LABEL = {"torch": "torch", "torch=expandable_segments:True": "torch-exp", "pymem
          "pymemplan-vmm": "vmm", "pymemplan-planned": "planned"}
 # The devices each run is made to fail on: the largest on which PyTorch's allocator fails,
 # and the largest on which pymemplan-vmm does (there the verdicts differ between policies).
-FAILING = {"torch fails": "torch", "vmm fails": "pymemplan-vmm"}
+FAILING = {"torch fails": "torch", "vmm fails": "pymemplan-vmm",
+           # A run under PyTorch's allocator with expandable segments, on the largest device
+           # on which that fails: its layout of the blocks made before a history is not
+           # rebuilt (mapped piecewise), they are placed together.
+           "expandable fails": "torch=expandable_segments:True"}
+# PYTORCH_CUDA_ALLOC_CONF of the recorded run, per device.
+CONF = {"expandable fails": "expandable_segments:True"}
 
 
 def fail_capacities() -> dict[tuple[str, str], int]:
@@ -70,7 +76,7 @@ def verdicts(fit) -> dict[str, bool]:
 def measure(trace, cap: int, device: str) -> dict | None:
     """The truth on `cap`, and what snapshots of histories of each length tell."""
     try:
-        snap_all, failed_at = oom_snapshot(trace, cap)
+        snap_all, failed_at = oom_snapshot(trace, cap, conf=CONF.get(device, ""))
     except ValueError:  # PyTorch's allocator runs it there: no snapshot to take
         return None
     truth = compare_fit(trace.head(failed_at + 1), capacity=cap, policies=POLICIES, smallest=False)
@@ -78,7 +84,7 @@ def measure(trace, cap: int, device: str) -> dict | None:
            "failed_at_event": failed_at, "events": len(trace), "truth": verdicts(truth),
            "peak_live_bytes": truth.peak_live_bytes, "histories": []}
     for keep in KEEP:
-        part, _ = oom_snapshot(trace, cap, keep=keep)
+        part, _ = oom_snapshot(trace, cap, keep=keep, conf=CONF.get(device, ""))
         fit = snapshot_fit(part, policies=POLICIES, name=trace.name)
         dropped = compare_fit(snapshot_trace(part, earlier="drop"), capacity=fit.capacity_bytes,
                               policies=POLICIES, smallest=False)

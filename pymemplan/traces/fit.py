@@ -350,6 +350,7 @@ def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
     tells, where no GPU is at hand. Also returns the event of `trace` that failed.
     Raises ValueError where the trace runs on that device."""
     from .replay import parse_policy
+    from .snapshot import segment_reserved
 
     cap = parse_bytes(capacity)
     name, config = parse_policy("torch=" + conf if conf else "torch")
@@ -359,14 +360,20 @@ def oom_snapshot(trace: Trace, capacity, *, keep: int | None = None,
     segments, reserved = {}, 0
 
     def segment_actions(i):
-        # The segments made and given back since the last look, as PyTorch records them.
+        # The segments made and given back since the last look, and the memory mapped into
+        # or out of expandable ones, as PyTorch records them.
         nonlocal segments, reserved
         if alloc.reserved_bytes() == reserved:
             return
-        now = {g["address"]: (g["total_size"], g["stream"]) for g in alloc.snapshot()["segments"]}
+        now = {g["address"]: (segment_reserved(g), g["stream"]) for g in alloc.snapshot()["segments"]}
         for a in sorted(segments.keys() - now.keys()):
             history.append({"action": "segment_free", "addr": a, "size": segments[a][0],
                             "stream": segments[a][1], "time_us": i})
+        for a in sorted(now.keys() & segments.keys()):
+            grew = now[a][0] - segments[a][0]
+            if grew:
+                history.append({"action": "segment_map" if grew > 0 else "segment_unmap",
+                                "addr": a, "size": abs(grew), "stream": now[a][1], "time_us": i})
         for a in sorted(now.keys() - segments.keys()):
             history.append({"action": "segment_alloc", "addr": a, "size": now[a][0],
                             "stream": now[a][1], "time_us": i})
