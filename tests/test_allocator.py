@@ -7,6 +7,7 @@ import threading
 
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -935,3 +936,17 @@ def test_snapshot_is_read_by_torch_memory_viz():
     # 2 MiB small + 18 MiB medium (six requests of 3 MiB) + 20 MiB
     assert "segments: 3" in summary and "total_reserved: 40.0MiB" in summary
     assert "<html" in _memory_viz.segment_plot(snap).lower()
+
+
+@pytest.mark.parametrize("policy", ["torch", "torch=expandable_segments:True", "pymemplan",
+                                    "pymemplan-vmm", "pymemplan-planned", "gmlake", "nocache"])
+def test_a_request_larger_than_any_device_is_an_oom_not_an_error(policy):
+    """Sizes up to the largest a trace can hold (2^63 - 1) are refused as out of memory by
+    every policy; the replay goes on."""
+    name, _, config = policy.partition("=")
+    for size in (1 << 40, 1 << 62, (1 << 63) - 1):
+        action = np.array([0, 0, 1], np.uint8)
+        ptr = np.array([1, 2, 2], np.int64)
+        sizes = np.array([size, 4096, 4096], np.int64)
+        r = _core.replay(action, ptr, sizes, np.zeros(3, np.int64), name, config, 1 << 30, 2 << 20)
+        assert r["ooms"] == 1 and r["peak_reserved_bytes"] > 0

@@ -420,6 +420,11 @@ GMLakeAllocator::Blk* GMLakeAllocator::new_segment(bool small, std::size_t round
 void* GMLakeAllocator::allocate_locked(std::size_t size, StreamId stream, std::string* oom) {
   process_events(false);
   const std::size_t rounded = round_size(size);
+  if (rounded > device_->capacity()) {  // no segment or stitch that large can exist
+    ++stats_.num_ooms;
+    *oom = oom_message(size, rounded, stream);
+    return nullptr;
+  }
   const bool small = rounded <= kSmallRequest;
   if (Blk* b = best_fit(small, rounded, stream)) return serve_block(b, rounded, size);
   Stitch* s = nullptr;
