@@ -127,14 +127,13 @@ def snapshot_trace(snap: dict, device: int | str | None = None, *, name: str = "
     if not isinstance(snap, dict) or not isinstance(snap.get("device_traces"), list):
         raise TraceError(f"{where}: not a PyTorch memory snapshot with allocation history (no "
                          f"'device_traces' list)")
-    path = where
     traces = snap["device_traces"]
     counts = snapshot_devices(snap)
     if device is None:
         if not counts:
             dev = 0
             if not traces:
-                raise TraceError(f"{path}: the snapshot's 'device_traces' is empty: allocation "
+                raise TraceError(f"{where}: the snapshot's 'device_traces' is empty: allocation "
                                  f"history was not recorded (call torch.cuda.memory."
                                  f"_record_memory_history() before the run)")
         else:
@@ -143,10 +142,10 @@ def snapshot_trace(snap: dict, device: int | str | None = None, *, name: str = "
         dev = _device_index(device)
         if not 0 <= dev < len(traces):
             have = ", ".join(f"{d} ({n} events)" for d, n in counts.items()) or "none with events"
-            raise TraceError(f"{path}: no device {device!r} in the snapshot; it has "
+            raise TraceError(f"{where}: no device {device!r} in the snapshot; it has "
                              f"{len(traces)} device trace(s): {have}")
     segments = snap.get("segments") if earlier == "place" else None
-    return _device_trace(path, traces[dev], dev, counts, name,
+    return _device_trace(where, traces[dev], dev, counts, name,
                          segments if isinstance(segments, list) else None, earlier == "place")
 
 
