@@ -110,12 +110,11 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         snap = load_snapshot_segments(args.snapshot)
         why = explain_snapshot(snap, device=args.device, top=args.top, compare=args.compare,
-                               capacity=args.capacity, policies=args.policy)
+                               capacity=args.capacity, policies=args.policy,
+                               name=os.path.basename(args.snapshot))
     except (TraceError, ValueError, OSError) as e:
         print(f"pymemplan explain: {e}", file=sys.stderr)
         return 2
-    if why.fit is not None:
-        why.fit.trace = os.path.basename(args.snapshot)
     if args.json:
         json.dump(why.to_dict(), sys.stdout, indent=2)
         print()

@@ -145,7 +145,7 @@ def _lines(why, head: str, extra: list[str], describe) -> list[str]:
 
 
 def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool = False,
-                     capacity=None, policies=None) -> MemoryExplanation:
+                     capacity=None, policies=None, name: str | None = None) -> MemoryExplanation:
     """What reserved memory holds in `snapshot` on `device`: a snapshot dict
     (``torch.cuda.memory._snapshot()``, ``pymemplan.snapshot()``) or the path of a
     pickle of one (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
@@ -159,7 +159,8 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool =
 
     `compare`: where the snapshot has allocation history on `device`, also replay its
     requests under each allocator (`fit`: pymemplan.traces.snapshot_fit, with `capacity`
-    and `policies`): which would have fit.
+    and `policies`): which would have fit; `name` names the snapshot there (default: the
+    file's name, or "device N").
 
     Raises TraceError for a file that is not a snapshot, ValueError for a snapshot without
     segments on `device` or a bad `top`."""
@@ -167,7 +168,9 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool =
 
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
+    path_name = None
     if isinstance(snapshot, (str, os.PathLike)):
+        path_name = os.path.basename(snapshot)
         snapshot = load_snapshot_segments(snapshot)
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
         raise ValueError("not a memory snapshot: expected a dict with a 'segments' list, as "
@@ -199,7 +202,7 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool =
         from .fit import snapshot_fit
 
         fit = snapshot_fit(snapshot, device=device, capacity=capacity, policies=policies,
-                           name=f"device {device}")
+                           name=name or path_name or f"device {device}")
     return MemoryExplanation(
         device=device, fit=fit, reserved_bytes=reserved, live_bytes=requested,
         rounding_bytes=allocated - requested, pending_bytes=pending, cached_bytes=cached,
