@@ -33,6 +33,20 @@ Added in session 48, recorded and replayed before anything was changed for them:
   sizes follow the ids drawn, and an MLP under Adam;
 - maml_mlp: MAML, two inner SGD steps per task taken with `create_graph=True` and a
   second-order meta-gradient over four tasks, Adam.
+
+Added in session 51, recorded and replayed before anything was changed for them:
+- sam_r18: sharpness-aware minimization on ResNet-18: each step runs forward and backward
+  twice, the weights moved along the gradient in between (a perturbation per parameter, made
+  and kept across the second pass), SGD with momentum;
+- gpt2_foreach: GPT-2 under AdamW and gradient clipping with the multi-tensor (`foreach`)
+  implementations, which CUDA runs use by default and which allocate lists of temporaries;
+- tbptt_lstm: an LSTM language model trained by truncated backpropagation through time, the
+  hidden state carried (detached) from one chunk of 35 tokens to the next, Adam;
+- gpipe_enc: a transformer encoder whose batch is cut into four micro-batches run forward one
+  after the other and backward together (GPipe's schedule on one device), so that the
+  activations of all four are alive at the peak, Adam;
+- ppo_rollout: PPO: episodes of varying length (32 environments) collected under no_grad into a rollout buffer,
+  then four epochs of minibatch updates of an actor-critic MLP over the shuffled buffer, Adam.
 """
 
 from __future__ import annotations
@@ -372,6 +386,159 @@ def _maml():
     return run
 
 
+def _sam():
+    import torch
+    import torch.nn.functional as F
+    import torchvision
+
+    def run():
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=100)
+        params = [p for p in model.parameters()]
+        opt = torch.optim.SGD(params, 0.05, momentum=0.9, weight_decay=5e-4)
+        for _ in range(5):
+            x, y = torch.randn(32, 3, 64, 64), torch.randint(0, 100, (32,))
+            F.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+                moved = []
+                for p in params:
+                    e = p.grad * (0.05 / (norm + 1e-12))
+                    p.add_(e)
+                    moved.append(e)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                for p, e in zip(params, moved):
+                    p.sub_(e)
+            del moved, norm
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return run
+
+
+def _gpt2_foreach():
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def run():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=8000, n_positions=256, n_embd=384,
+                                           n_layer=4, n_head=6, bos_token_id=0,
+                                           eos_token_id=0))
+        opt = torch.optim.AdamW(model.parameters(), 3e-4, foreach=True)
+        for _ in range(5):
+            ids = torch.randint(0, 8000, (8, 256))
+            logits = model(input_ids=ids).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            del logits
+            loss.backward()
+            del loss
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return run
+
+
+def _tbptt():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class LM(nn.Module):
+        def __init__(self, vocab=8000, width=512):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+            self.out = nn.Linear(width, vocab)
+
+    def run():
+        torch.manual_seed(0)
+        model = LM()
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        stream = torch.randint(0, 8000, (16, 35 * 8 + 1))
+        state = None
+        for k in range(8):
+            chunk = stream[:, 35 * k:35 * (k + 1) + 1]
+            h, state = model.lstm(model.embed(chunk[:, :-1]), state)
+            state = tuple(s.detach() for s in state)
+            loss = F.cross_entropy(model.out(h).flatten(0, 1), chunk[:, 1:].flatten())
+            del h
+            loss.backward()
+            del loss
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return run
+
+
+def _gpipe():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Embedding(8000, 256),
+            nn.TransformerEncoder(nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True), 4),
+            nn.Linear(256, 8000))
+        opt = torch.optim.Adam(model.parameters(), 1e-4)
+        for _ in range(5):
+            ids = torch.randint(0, 8000, (16, 128))
+            losses = [F.cross_entropy(model(mb[:, :-1]).flatten(0, 1), mb[:, 1:].flatten())
+                      for mb in ids.chunk(4)]
+            total = torch.stack(losses).mean()
+            del losses
+            total.backward()
+            del total
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return run
+
+
+def _ppo():
+    import torch
+    import torch.nn as nn
+
+    def run():
+        torch.manual_seed(0)
+        actor = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
+                              nn.Linear(1024, 18))
+        critic = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
+                               nn.Linear(1024, 1))
+        opt = torch.optim.Adam(list(actor.parameters()) + list(critic.parameters()), 3e-4)
+        lengths = torch.randint(4096, 8192, (4,)).tolist()
+        for length in lengths:
+            obs, acts, logps, values = [], [], [], []
+            with torch.no_grad():  # the rollout: one small step at a time, 32 environments
+                for _ in range(length // 32):
+                    o = torch.randn(32, 256)
+                    dist = torch.distributions.Categorical(logits=actor(o))
+                    a = dist.sample()
+                    obs.append(o)
+                    acts.append(a)
+                    logps.append(dist.log_prob(a))
+                    values.append(critic(o).squeeze(1))
+            obs, acts, logps, values = (torch.cat(t) for t in (obs, acts, logps, values))
+            returns = values + torch.randn_like(values)
+            adv = (returns - values - (returns - values).mean()) / ((returns - values).std() + 1e-8)
+            for _ in range(4):  # epochs over the shuffled buffer
+                for idx in torch.randperm(len(obs)).split(512):
+                    dist = torch.distributions.Categorical(logits=actor(obs[idx]))
+                    ratio = (dist.log_prob(acts[idx]) - logps[idx]).exp()
+                    clipped = torch.min(ratio * adv[idx], ratio.clamp(0.8, 1.2) * adv[idx])
+                    loss = -clipped.mean() + 0.5 * (critic(obs[idx]).squeeze(1) - returns[idx]).pow(2).mean() \
+                        - 0.01 * dist.entropy().mean()
+                    loss.backward()
+                    del loss, dist, ratio, clipped
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            del obs, acts, logps, values, returns, adv
+    return run
+
+
 def workloads():
     """name -> callable that runs the workload (recorded by alloc_replay.record_traces)."""
     return {
@@ -388,4 +555,9 @@ def workloads():
         "wgan_gp": _wgan_gp(),
         "sparse_rec": _sparse_rec(),
         "maml_mlp": _maml(),
+        "sam_r18": _sam(),
+        "gpt2_foreach": _gpt2_foreach(),
+        "tbptt_lstm": _tbptt(),
+        "gpipe_enc": _gpipe(),
+        "ppo_rollout": _ppo(),
     }

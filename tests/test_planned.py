@@ -2129,5 +2129,5 @@ def test_the_benchmark_records_a_table_of_workloads_once_into_its_folder(tmp_pat
     assert again["tiny"].size.tolist() == traces["tiny"].size.tolist()
     # The unseen set is a table of the same kind, and its workloads are not among the 63.
     names = set(unseen_workloads.workloads())
-    assert len(names) == 13 and not names & set(alloc_replay.workloads())
+    assert len(names) == 18 and not names & set(alloc_replay.workloads())
     assert unseen_workloads.NO_REPEATED_ITERATION <= names
