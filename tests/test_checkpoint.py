@@ -12,7 +12,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import pymemplan  # noqa: E402
 from pymemplan.planner import MemoryTrace  # noqa: E402

@@ -435,7 +435,7 @@ def test_modules_with_python_state_or_their_own_generator_are_never_checkpointed
     assert [m.calls for m in model[:3]] == [0, 0, 0]
     # A budget only those blocks could meet says why they were left out.
     with pytest.raises(pymemplan.planner.checkpoint.BudgetTooSmallError,
-                       match=f"module\\(s\\) were no candidates: '0': the forward of '0' changes"):
+                       match="module\\(s\\) were no candidates: '0': the forward of '0' changes"):
         t.plan(int(t.peak_bytes * 0.5), model=model, inputs=(x,))
 
 
@@ -751,7 +751,6 @@ def test_a_module_whose_forward_runs_another_modules_code_is_checkpointed_with_i
 
 def test_albert_layers_shared_across_depth_are_planned_and_hold_in_a_real_step():
     transformers = pytest.importorskip("transformers")
-    from pymemplan.planner.measure import measure_step
 
     cfg = transformers.AlbertConfig(vocab_size=1000, embedding_size=128, hidden_size=256,
                                     num_hidden_layers=6, num_attention_heads=4,

@@ -8,7 +8,6 @@ missing; the fake driver makes the plugin's real CUDA code path run on CPUs.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pickle
@@ -314,7 +313,7 @@ def test_enable_warns_once_about_cudnn_benchmark():
 # --- The live plugin over the fake CUDA driver ---
 
 def test_mark_step_reaches_the_planned_plugin_and_is_a_no_op_when_not_enabled():
-    run(f"""
+    run("""
         import ctypes
         import pymemplan
         from pymemplan.allocator import _library, configure
@@ -338,7 +337,7 @@ def test_mark_step_reaches_the_planned_plugin_and_is_a_no_op_when_not_enabled():
 
 
 def test_share_pages_through_the_python_api():
-    run(f"""
+    run("""
         import ctypes
         import pymemplan
         from pymemplan.allocator import _library
