@@ -56,6 +56,16 @@ def _out_of_memory(cupy: Any, size: int, device: int, message: str) -> BaseExcep
 # cudaStreamPerThread: one handle that means each calling thread's own default stream.
 _PER_THREAD_STREAM = 0x2
 
+# Every CuPy stream the pool has served, kept alive for the process. The pool knows a stream
+# by its handle and may still use it after its blocks are freed: it records events on it
+# before another stream takes its free blocks, and synchronizes it before unmapping their
+# pages. A `cupy.cuda.Stream` destroys its handle when collected; a call on that handle is
+# undefined in the driver, and a new stream given the same handle would be taken for the old
+# one, whose freed blocks it could then reuse before the old stream's work on them is done.
+# Streams are few; a program making a new one per iteration keeps each (about what a CUDA
+# stream costs in the driver), which is the price of never touching a destroyed one.
+_streams: dict[int, Any] = {}
+
 
 def allocator() -> Callable[[int], Any]:
     """The function CuPy calls for memory: size -> cupy.cuda.MemoryPointer from pymemplan."""
@@ -66,7 +76,8 @@ def allocator() -> Callable[[int], Any]:
         device = cupy.cuda.runtime.getDevice()
         if size == 0:  # the plugin gives no memory for 0 bytes, and CuPy needs none
             return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
-        stream = cupy.cuda.get_current_stream().ptr
+        current = cupy.cuda.get_current_stream()
+        stream = current.ptr
         if stream == _PER_THREAD_STREAM:
             raise RuntimeError(
                 "pymemplan.cupy: CuPy is using the per-thread default stream "
@@ -74,6 +85,8 @@ def allocator() -> Callable[[int], Any]:
                 "thread, so the pool could hand a block freed by one thread to another while "
                 "the first thread's kernels still use it. Unset that variable, or run on "
                 "streams of your own (with cupy.cuda.Stream(): ...).")
+        if stream:
+            _streams.setdefault(stream, current)
         ptr = lib.pymemplan_try_alloc(size, device, stream or None)
         if not ptr:
             message = _library.last_error()

@@ -690,6 +690,12 @@ def test_oom_under_oom_action_null_returns_null_with_a_full_message():
                      "Allocated 3.00 MiB", "reserved", "largest free block",
                      "capacity 64.00 MiB"):
             assert part in message, (part, message)
+        assert message.startswith("pymemplan: out of memory"), message
+        # What batch-size finders test a RuntimeError of one argument for before they retry
+        # with a smaller batch: Accelerate's should_reduce_batch_size (" out of memory."),
+        # Lightning's is_oom_error ("CUDA" and "out of memory").
+        assert " out of memory." in message, message
+        assert "CUDA" in message and "out of memory" in message, message
         assert pymemplan.memory_stats()["num_ooms"] == 1
 
         lib.pymemplan_free(keep, 3 * MiB, 0, None)
@@ -783,4 +789,26 @@ def test_cupy_allocates_from_the_pool():
         except RuntimeError as e:
             assert "CUPY_CUDA_PER_THREAD_DEFAULT_STREAM" in str(e), e
         assert pymemplan.memory_allocated() == before
+
+        # A stream the pool served outlives the program's last reference to it: the pool may
+        # record events on its handle after the block is freed, and CuPy destroys the handle
+        # of a stream it collects.
+        import weakref
+
+        class Stream:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+        fake.fakecuda_stream_create.restype = ctypes.c_void_p
+        stream = Stream(fake.fakecuda_stream_create(0))
+        alive = weakref.ref(stream)
+        cuda.get_current_stream = lambda: stream
+        mp = malloc(MiB)
+        cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
+        del mp, stream
+        gc.collect()
+        assert alive() is not None, "the stream was collected while the pool may still use it"
+        mp = malloc(MiB)  # the null stream: nothing to keep
+        del mp
+        assert list(pymemplan.cupy._streams) == [alive().ptr]
     """)

@@ -308,6 +308,8 @@ std::string snapshot_json(const std::vector<SegmentInfo>& segments, int device,
   return out.str();
 }
 
+constexpr const char* kTorchOomWords = " (PyTorch's words: CUDA out of memory.)";
+
 }  // namespace
 
 extern "C" {
@@ -327,7 +329,9 @@ void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
     if (p != nullptr) {
       record(device, "alloc", reinterpret_cast<std::uintptr_t>(p), size, s);
     } else {
-      set_error(allocator_for(device).last_error());
+      // PyTorch's words too: batch-size finders (Accelerate's find_executable_batch_size,
+      // Lightning's tuner) tell an OOM from other RuntimeErrors by them.
+      set_error(allocator_for(device).last_error() + kTorchOomWords);
       // What the device has left for this allocator, as PyTorch's device_free says it.
       const auto held = static_cast<std::size_t>(std::max<std::int64_t>(a.reserved_bytes(), 0));
       const std::size_t capacity =
