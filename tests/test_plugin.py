@@ -677,3 +677,138 @@ def test_share_pages_keeps_every_byte_and_gives_pages_back():
         assert fake.fakecuda_bytes_in_use(0) == 0 and fake.fakecuda_live_mappings() == 0
         assert fake.fakecuda_live_handles(0) == 0
     """, policy="pymemplan-vmm")
+
+
+# --- Work queued on streams (fakecuda_launch): nothing touches memory a stream may still use ---
+
+HAZARDS = """
+fake.fakecuda_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+fake.fakecuda_hazards.restype = ctypes.c_longlong
+fake.fakecuda_last_hazard.restype = ctypes.c_char_p
+
+def launch(stream, p, n):
+    # A kernel using the block on its stream: the fake counts a hazard where memory is not
+    # mapped, or another stream's queued work may still use it.
+    assert fake.fakecuda_launch(stream, p, n) == 0, fake.fakecuda_last_hazard().decode()
+"""
+
+
+def test_the_fake_driver_sees_memory_used_before_queued_work_is_done():
+    # The detector the next test relies on, shown to fire: a block used on a second stream
+    # while the first stream's kernel is queued, and pages unmapped under queued work.
+    ok(HAZARDS + textwrap.dedent("""
+        fake.fakecuda_set_manual_events(1)
+        s1, s2 = ctypes.c_void_p(0x10), ctypes.c_void_p(0x20)
+        p = alloc(4 * MiB, s1)
+        launch(s1, p, 4 * MiB)
+        assert fake.fakecuda_launch(s2, p + MiB, MiB) == 1
+        assert b"launch on" in fake.fakecuda_last_hazard()
+        fake.fakecuda_complete_stream(s1)
+        launch(s2, p, MiB)                      # s1 is done: no hazard
+        fake.fakecuda_complete_stream(s2)
+        assert fake.fakecuda_launch(None, p + 8 * MiB, MiB) == 1   # past the mapped pages
+        # A freed block's pages, unmapped by hand while its stream's kernel is queued: what
+        # the allocator must never do.
+        q = alloc(8 * MiB, s1)
+        launch(s1, q, 8 * MiB)
+        fake.cuMemUnmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        hazards = fake.fakecuda_hazards()
+        assert fake.cuMemUnmap(q, 2 * MiB) == 0
+        assert fake.fakecuda_hazards() == hazards + 1
+        assert b"cuMemUnmap" in fake.fakecuda_last_hazard()
+    """), policy="pymemplan-vmm")
+
+
+STREAM_PROGRAM = """
+import random
+rng = random.Random(SEED)
+fake.fakecuda_set_manual_events(1)   # queued work completes only when the test says so
+streams = [ctypes.c_void_p(0x10), ctypes.c_void_p(0x20), ctypes.c_void_p(0x30)]
+sizes = [512, 4096, 100 * 1024, MiB - 512, 3 * MiB + 4096, 6 * MiB, 12 * MiB]
+
+def fill(p, n, byte):
+    ctypes.memset(p, byte, min(n, 64 * 1024))
+    if n > 64 * 1024:
+        ctypes.memset(p + n - 64 * 1024, byte, 64 * 1024)
+
+def intact(p, n, byte):
+    head = ctypes.string_at(p, min(n, 64 * 1024))
+    tail = ctypes.string_at(p + n - min(n, 64 * 1024), min(n, 64 * 1024))
+    return head == tail[:0] + bytes([byte]) * len(head) and tail == bytes([byte]) * len(tail)
+
+# One step's program, made once and run STEPS times, so that plans find it and arm; some
+# blocks of the first step live to the end (parameters, optimizer state).
+program, opened = [], []
+for i in range(220):
+    if opened and rng.random() < 0.45:
+        program.append(("free", opened.pop(rng.randrange(len(opened)))))
+    else:
+        program.append(("alloc", i, rng.choice(sizes), rng.randrange(3)))
+        opened.append(i)
+program += [("free", i) for i in opened]
+
+live, kept, byte = {}, [], 0
+for step in range(STEPS):
+    for op in program:
+        if op[0] == "alloc":
+            _, name, n, s = op
+            if step > 0 and name % 23 == 0:
+                continue                       # made once, in the first step only
+            p = alloc(n, streams[s])
+            if not p:
+                continue                       # out of memory under the limit: allowed
+            byte = byte % 251 + 1
+            launch(streams[s], p, n)
+            fill(p, n, byte)
+            other = rng.randrange(3) if rng.random() < 0.15 else s
+            if other != s:
+                # Also used on another stream. The program orders that stream after this one
+                # (wait_stream) and back; the fake has no waits between streams, so the
+                # stream waited for completes instead.
+                fake.fakecuda_complete_stream(streams[s])
+                lib.pymemplan_record_stream(p, streams[other])
+                launch(streams[other], p, n)
+            live[name] = (p, n, s, byte, other)
+        elif op[1] in live:
+            p, n, s, b, other = live.pop(op[1])
+            if step == 0 and op[1] % 23 == 0:
+                kept.append((p, n, s, b))
+                continue
+            assert intact(p, n, b), f"block {op[1]} of step {step} was overwritten"
+            if other != s:
+                fake.fakecuda_complete_stream(streams[other])
+            launch(streams[s], p, n)           # its last kernel, queued as it is freed
+            free(p, streams[s])
+        if rng.random() < 0.05:
+            fake.fakecuda_complete_stream(rng.choice(streams))
+    for p, n, s, b in kept:
+        assert intact(p, n, b), "a long-lived block was overwritten"
+for p, n, s, b, *_ in kept + list(live.values()):
+    free(p, streams[s])
+fake.fakecuda_complete_all()
+assert lib.pymemplan_empty_cache(0) == 0
+assert fake.fakecuda_hazards() == 0, fake.fakecuda_last_hazard().decode()
+assert stats()["allocated_bytes.all.current"] == 0
+print(stats()["num_alloc_retries"], stats()["num_ooms"], fake.fakecuda_unmap_calls())
+"""
+
+
+@pytest.mark.parametrize("policy,config", [
+    ("pymemplan", ""), ("pymemplan-vmm", ""), ("pymemplan-planned", ""),
+    ("pymemplan-vmm", "cross_stream_reuse:False"), ("torch", ""),
+    ("torch", "expandable_segments:True")])
+def test_no_memory_is_touched_while_a_stream_may_still_use_it(policy, config):
+    """Three streams whose kernels complete only when the test says, under a memory limit
+    that makes the pool reclaim and unmap what is cached: every block handed out is free of
+    other streams' queued work, no page is unmapped or copied under queued work, and every
+    block keeps its bytes. The real code path over the fake driver, for each policy."""
+    fake_unmaps = []
+    for seed in (1, 2):
+        out = ok(HAZARDS + f"SEED, STEPS = {seed}, 5\n"
+                 "assert lib.pymemplan_set_memory_limit(0, 96 * MiB) == 0, err()\n"
+                 + STREAM_PROGRAM,
+                 policy=policy, config=",".join(x for x in ("oom_action:null", config) if x))
+        fake_unmaps.append(out.split())
+    if policy.startswith("pymemplan-") or "expandable" in config:
+        # The limit makes the virtual-memory policies give pages back under queued work.
+        assert any(int(u[2]) > 0 for u in fake_unmaps), fake_unmaps

@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +27,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -45,6 +47,7 @@ struct CUevent_st {
   bool manual = false;    // completes only when completed explicitly
   int queries_left = 0;   // NOT_READY answers still owed (not manual)
   CUstream stream = nullptr;
+  std::uint64_t seq = 0;  // the stream's work queued before it was recorded (fakecuda_launch)
   bool captured = false;  // last recorded on a stream capturing a graph: not queryable
 };
 
@@ -131,6 +134,14 @@ struct Settings {
   bool rdma_vmm = false;      // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
 };
 
+// A kernel's use of device memory (fakecuda_launch), queued on a stream and not yet known
+// to be done.
+struct Work {
+  CUstream stream;
+  std::uint64_t seq;  // the stream's launches up to and including this one
+  std::uintptr_t lo, hi;
+};
+
 struct State {
   std::mutex mutex;
   bool initialized = false;
@@ -148,6 +159,13 @@ struct State {
   long long create_calls = 0, map_calls = 0, set_access_calls = 0, unmap_calls = 0;
   std::map<std::uintptr_t, Allocation> allocations;
   std::unordered_set<CUevent_st*> events;
+  // Work queued by fakecuda_launch: launches per stream, launches known done per stream, and
+  // the uses of memory still pending. Touching pending memory otherwise counts a hazard.
+  std::unordered_map<CUstream, std::uint64_t> launched;
+  std::unordered_map<CUstream, std::uint64_t> done;
+  std::vector<Work> work;
+  long long hazards = 0;
+  std::string last_hazard;
   // Streams made by fakecuda_stream_create, with their device. Any other non-null value is
   // taken for a stream of the current context, so tests may name streams by any pointer.
   std::unordered_map<CUstream, int> stream_device;
@@ -203,9 +221,47 @@ std::uintptr_t map_aligned(std::size_t length, std::size_t align, int prot) {
   return aligned;
 }
 
-void complete(CUevent_st* e) {
+// `stream` is known done with its launches up to `seq`.
+void finish(State& s, CUstream stream, std::uint64_t seq) {
+  std::uint64_t& d = s.done[stream];
+  if (seq <= d) return;
+  d = seq;
+  s.work.erase(std::remove_if(s.work.begin(), s.work.end(),
+                              [&](const Work& w) { return w.stream == stream && w.seq <= d; }),
+               s.work.end());
+}
+
+void finish_stream(State& s, CUstream stream) { finish(s, stream, s.launched[stream]); }
+
+void finish_all(State& s) {
+  for (const auto& [stream, n] : s.launched) s.done[stream] = n;
+  s.work.clear();
+}
+
+// An event completes: the work queued before it on its stream is done.
+void complete(State& s, CUevent_st* e) {
   e->pending = false;
   e->queries_left = 0;
+  finish(s, e->stream, e->seq);
+}
+
+// The first pending use of [lo, hi) by a stream other than `except` (nullptr: none).
+const Work* pending_use(const State& s, std::uintptr_t lo, std::uintptr_t hi,
+                        const CUstream* except = nullptr) {
+  for (const Work& w : s.work) {
+    if (w.lo < hi && lo < w.hi && (except == nullptr || w.stream != *except)) return &w;
+  }
+  return nullptr;
+}
+
+void hazard(State& s, const char* what, std::uintptr_t lo, std::uintptr_t hi, const Work& w) {
+  ++s.hazards;
+  char text[256];
+  std::snprintf(text, sizeof text, "%s [%#llx, %#llx) while stream %p may still use [%#llx, %#llx)",
+                what, static_cast<unsigned long long>(lo), static_cast<unsigned long long>(hi),
+                static_cast<void*>(w.stream), static_cast<unsigned long long>(w.lo),
+                static_cast<unsigned long long>(w.hi));
+  s.last_hazard = text;
 }
 
 // Releases every resource and returns to the defaults. Caller holds the mutex.
@@ -222,6 +278,11 @@ void reset_locked(State& s) {
   for (CUevent_st* e : s.events) delete e;
   s.events.clear();
   s.stream_device.clear();
+  s.launched.clear();
+  s.done.clear();
+  s.work.clear();
+  s.hazards = 0;
+  s.last_hazard.clear();
   s.capturing.clear();
   s.capture_violations = 0;
   s.settings = Settings();
@@ -584,6 +645,7 @@ FAKECUDA_DRIVER CUresult cuMemFree_v2(CUdeviceptr dptr) {
   auto it = s.allocations.find(static_cast<std::uintptr_t>(dptr));
   if (it == s.allocations.end()) return CUDA_ERROR_INVALID_VALUE;
   const Allocation a = it->second;
+  finish_all(s);  // cuMemFree synchronizes the device before it frees
   s.allocations.erase(it);
   munmap(reinterpret_cast<void*>(a.base), a.length);
   s.bytes_in_use[a.device] -= a.bytes;
@@ -646,7 +708,9 @@ FAKECUDA_DRIVER CUresult cuEventRecord(CUevent event, CUstream stream) {
   }
   event->manual = s.settings.manual_events;
   event->queries_left = s.settings.event_delay;
+  event->seq = s.launched[stream];
   event->pending = event->manual || event->queries_left > 0;
+  if (!event->pending) finish(s, stream, event->seq);
   return CUDA_SUCCESS;
 }
 
@@ -662,7 +726,7 @@ FAKECUDA_DRIVER CUresult cuEventQuery(CUevent event) {
     --event->queries_left;
     return CUDA_ERROR_NOT_READY;
   }
-  complete(event);
+  complete(s, event);
   return CUDA_SUCCESS;
 }
 
@@ -672,7 +736,7 @@ FAKECUDA_DRIVER CUresult cuEventSynchronize(CUevent event) {
   if (s.events.count(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
   REFUSE_DURING_CAPTURE(s);
   if (event->captured) return CUDA_ERROR_CAPTURED_EVENT;
-  complete(event);
+  complete(s, event);
   return CUDA_SUCCESS;
 }
 
@@ -698,8 +762,9 @@ FAKECUDA_DRIVER CUresult cuStreamSynchronize(CUstream stream) {
   REQUIRE_INIT(s);
   REFUSE_DURING_CAPTURE(s);
   for (CUevent_st* e : s.events) {
-    if (e->pending && e->stream == stream) complete(e);
+    if (e->pending && e->stream == stream) complete(s, e);
   }
+  finish_stream(s, stream);
   return CUDA_SUCCESS;
 }
 
@@ -708,8 +773,9 @@ FAKECUDA_DRIVER CUresult cuCtxSynchronize(void) {
   REQUIRE_INIT(s);
   REFUSE_DURING_CAPTURE(s);
   for (CUevent_st* e : s.events) {
-    if (e->pending) complete(e);
+    if (e->pending) complete(s, e);
   }
+  finish_all(s);
   ++s.ctx_synchronizations;
   return CUDA_SUCCESS;
 }
@@ -734,6 +800,10 @@ FAKECUDA_DRIVER CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::
   const auto d = static_cast<std::uintptr_t>(dst), from = static_cast<std::uintptr_t>(src);
   if (size == 0) return CUDA_SUCCESS;
   if (!device_memory(s, d, size) || !device_memory(s, from, size)) return CUDA_ERROR_INVALID_VALUE;
+  if (const Work* w = pending_use(s, d, d + size)) hazard(s, "cuMemcpyDtoD to", d, d + size, *w);
+  if (const Work* w = pending_use(s, from, from + size)) {
+    hazard(s, "cuMemcpyDtoD from", from, from + size, *w);
+  }
   std::memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(from), size);
   s.bytes_copied += static_cast<long long>(size);
   return CUDA_SUCCESS;
@@ -903,6 +973,9 @@ FAKECUDA_DRIVER CUresult cuMemUnmap(CUdeviceptr ptr, std::size_t size) {
     ++last;
   }
   if (cursor != end) return CUDA_ERROR_INVALID_VALUE;
+  // The driver does not wait for queued work before unmapping: a kernel still running there
+  // faults, or reads pages mapped there next.
+  if (const Work* w = pending_use(s, base, end)) hazard(s, "cuMemUnmap of", base, end, *w);
   void* p = mmap(reinterpret_cast<void*>(base), size, PROT_NONE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_INVALID_VALUE;
@@ -1127,8 +1200,9 @@ void fakecuda_complete_stream(void* stream) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   for (CUevent_st* e : s.events) {
-    if (e->pending && e->stream == static_cast<CUstream>(stream)) complete(e);
+    if (e->pending && e->stream == static_cast<CUstream>(stream)) complete(s, e);
   }
+  finish_stream(s, static_cast<CUstream>(stream));
 }
 
 void fakecuda_set_capturing(void* stream, int on) {
@@ -1148,7 +1222,34 @@ long long fakecuda_capture_violations(void) {
 void fakecuda_complete_all(void) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  for (CUevent_st* e : s.events) complete(e);
+  for (CUevent_st* e : s.events) complete(s, e);
+  finish_all(s);
+}
+
+int fakecuda_launch(void* stream, const void* ptr, size_t size) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const auto st = static_cast<CUstream>(stream);
+  const auto lo = reinterpret_cast<std::uintptr_t>(ptr), hi = lo + size;
+  const long long before = s.hazards;
+  if (size == 0) return 0;
+  if (!device_memory(s, lo, size)) {
+    ++s.hazards;
+    s.last_hazard = "launch on memory that is not device memory, or not mapped";
+    return 1;
+  }
+  if (const Work* w = pending_use(s, lo, hi, &st)) hazard(s, "launch on", lo, hi, *w);
+  s.work.push_back(Work{st, ++s.launched[st], lo, hi});
+  return s.hazards != before ? 1 : 0;
+}
+
+long long fakecuda_hazards(void) {
+  return locked([](State& s) { return s.hazards; });
+}
+
+const char* fakecuda_last_hazard(void) {
+  // The text lives until the next hazard or reset; tests read it at once.
+  return locked([](State& s) { return s.last_hazard.c_str(); });
 }
 
 size_t fakecuda_bytes_in_use(int device) {

@@ -90,6 +90,18 @@ FAKECUDA_API void fakecuda_set_manual_events(int on);
  * stream), or on every stream. */
 FAKECUDA_API void fakecuda_complete_stream(void* stream);
 FAKECUDA_API void fakecuda_complete_all(void);
+/* A kernel's use of [ptr, ptr + size) queued on `stream` (a test's stand-in for a launch). The
+ * use stays pending until the stream is known done with it: an event recorded on it after the
+ * launch completes, the stream or the context is synchronized, cuMemFree runs (it synchronizes
+ * the device), or fakecuda_complete_stream / fakecuda_complete_all. A hazard is counted when a
+ * launch touches memory that is not device memory (unmapped pages included) or that another
+ * stream's pending use overlaps (memory handed out before the last user was done), and when
+ * cuMemUnmap or cuMemcpyDtoD touches memory any pending use overlaps. Returns 1 if this
+ * launch counted a hazard, else 0. */
+FAKECUDA_API int fakecuda_launch(void* stream, const void* ptr, size_t size);
+FAKECUDA_API long long fakecuda_hazards(void);
+/* The last hazard in words ("" if none); valid until the next hazard or reset. */
+FAKECUDA_API const char* fakecuda_last_hazard(void);
 /* Stream `stream` begins (on != 0) or ends capturing a CUDA graph, in the default global
  * mode: meanwhile cuMemAlloc, cuMemFree, cuEventQuery, cuEventSynchronize, cuStreamSynchronize
  * and cuCtxSynchronize fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (each counted by
