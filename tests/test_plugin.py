@@ -812,3 +812,38 @@ def test_no_memory_is_touched_while_a_stream_may_still_use_it(policy, config):
     if policy.startswith("pymemplan-") or policy == "gmlake" or "expandable" in config:
         # The limit makes the virtual-memory policies give pages back under queued work.
         assert any(int(u[2]) > 0 for u in fake_unmaps), fake_unmaps
+
+
+BASE_ALLOC = """
+lib.pymemplan_base_alloc.restype = ctypes.c_void_p
+lib.pymemplan_base_alloc.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+"""
+
+
+def test_cuda_ipc_gets_the_segment_that_holds_a_block():
+    # PyTorch's getBaseAllocation: a CUDA tensor sent to another process goes as the device
+    # allocation holding it (cudaIpcGetMemHandle exports whole allocations) and an offset.
+    # Without the hook PyTorch takes the block for the allocation, offset 0: the receiver would
+    # open the segment and read its first bytes instead.
+    ok(BASE_ALLOC + textwrap.dedent("""
+        a, b = alloc(3 * MiB), alloc(3 * MiB)   # one medium segment holds both
+        seg, = [s for s in snapshot()["segments"]
+                if s["address"] <= b < s["address"] + s["total_size"]]
+        assert seg["address"] <= a < seg["address"] + seg["total_size"] and b != seg["address"]
+        size = ctypes.c_size_t()
+        assert lib.pymemplan_base_alloc(b, ctypes.byref(size)) == seg["address"]
+        assert size.value == seg["total_size"]
+    """))
+
+
+@pytest.mark.parametrize("case", ["virtual", "foreign"])
+def test_cuda_ipc_of_memory_that_cannot_be_exported_fails_clearly(case):
+    # Pages of virtual-memory segments are not exportable by cudaIpcGetMemHandle (PyTorch
+    # refuses its expandable segments the same way); a pointer pymemplan does not own has no
+    # answer. Either throws, which PyTorch turns into a RuntimeError; from ctypes, nothing
+    # catches it and the process ends with the message.
+    body = "p = alloc(3 * MiB)\nlib.pymemplan_base_alloc(p if %r == 'virtual' else 0x1000, None)\n" % case
+    r = run(BASE_ALLOC + body, policy="pymemplan-vmm" if case == "virtual" else "pymemplan")
+    assert r.returncode != 0
+    expected = "cannot be shared between processes" if case == "virtual" else "not allocated by pymemplan"
+    assert expected in r.stderr, r.stderr

@@ -20,6 +20,7 @@
 #include "../core/config.hpp"
 #include "../core/errors.hpp"
 #include "../core/planned.hpp"
+#include "../core/util.hpp"
 #include "../devices/cuda_device.hpp"
 
 using namespace pymemplan;
@@ -390,6 +391,36 @@ void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream) {
     throw AllocatorError("record_stream: pointer was not allocated by pymemplan");
   });
   if (rc != 0) std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
+}
+
+void* pymemplan_base_alloc(void* ptr, std::size_t* size) {
+  void* base = nullptr;
+  const int rc = guarded([&] {
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    for (int d = 0; d < kMaxDevices; ++d) {
+      Allocator* a = existing_allocator(d);
+      if (a == nullptr || !a->owns(ptr)) continue;
+      for (const SegmentInfo& seg : a->snapshot()) {
+        if (p < seg.address || p >= seg.address + seg.total_size) continue;
+        if (seg.is_virtual) {
+          // Its pages are cuMemCreate memory, which cudaIpcGetMemHandle cannot export.
+          throw AllocatorError(
+              "tensors in virtual-memory segments (policies pymemplan-vmm and "
+              "pymemplan-planned) cannot be shared between processes through CUDA IPC, as "
+              "PyTorch's expandable segments cannot; use the policy 'pymemplan' in the "
+              "processes that share CUDA tensors");
+        }
+        base = reinterpret_cast<void*>(seg.address);
+        if (size != nullptr) *size = seg.total_size;
+        return;
+      }
+    }
+    throw AllocatorError("base allocation: pointer " + to_hex(p) + " was not allocated by pymemplan");
+  });
+  // PyTorch takes the answer for an exportable allocation; a wrong one would share other
+  // memory, so failing is the one safe answer, and PyTorch turns it into a RuntimeError.
+  if (rc != 0) throw std::runtime_error("pymemplan: " + thread_last_error());
+  return base;
 }
 
 int pymemplan_configure(const char* policy, const char* config) {

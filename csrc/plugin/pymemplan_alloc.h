@@ -31,6 +31,10 @@ void pymemplan_init(int device_count);
 void pymemplan_reset(void); /* torch.cuda.empty_cache() */
 void pymemplan_memory_fraction(double fraction, int device);
 void pymemplan_record_stream(void* ptr, pymemplan_stream_t stream);
+/* PyTorch's getBaseAllocation (CUDA IPC: a tensor shared with another process is sent as the
+ * device allocation that holds it and an offset): the segment holding `ptr` and, in *size, its
+ * size. Throws for memory it cannot export (virtual-memory segments) or does not own. */
+void* pymemplan_base_alloc(void* ptr, size_t* size);
 
 /* --- The C API for Python (ctypes). Return 0 on success, -1 on error (see last_error). --- */
 /* As pymemplan_alloc, but never throws, whatever oom_action says: NULL with the message in

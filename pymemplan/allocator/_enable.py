@@ -17,6 +17,7 @@ _OPTIONAL_HOOKS = (
     ("set_reset_fn", "pymemplan_reset"),  # torch.cuda.empty_cache()
     ("set_memory_fraction_fn", "pymemplan_memory_fraction"),  # set_per_process_memory_fraction
     ("set_record_stream_fn", "pymemplan_record_stream"),  # Tensor.record_stream
+    ("set_base_alloc_fn", "pymemplan_base_alloc"),  # CUDA IPC (torch.multiprocessing)
 )
 
 
