@@ -44,6 +44,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "pymemplan_reset": (None, []),
     "pymemplan_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
     "pymemplan_record_stream": (None, [ctypes.c_void_p, _c_stream]),
+    "pymemplan_base_alloc": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     # The C API for Python.
     "pymemplan_try_alloc": (ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, _c_stream]),
     "pymemplan_configure": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p]),
