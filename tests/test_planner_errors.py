@@ -185,6 +185,23 @@ def test_an_optimizer_that_refuses_the_parameters_is_named_as_the_failure():
                         optimizer=torch.optim.Adafactor)
 
 
+@pytest.mark.parametrize("how", ["class", "factory", "instance"])
+def test_an_optimizer_whose_step_needs_a_closure_is_a_clear_error(how):
+    # LBFGS's step() runs forward and backward again through a closure: before, the trace
+    # failed inside torch with "step() missing 1 required positional argument: 'closure'".
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    optimizer = {"class": torch.optim.LBFGS,
+                 "factory": lambda params: torch.optim.LBFGS(params, history_size=10),
+                 "instance": torch.optim.LBFGS(model.parameters())}[how]
+    history = 10 if how == "factory" else 100
+    trained = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(UntraceableError, match=r"^LBFGS\.step\(\) takes a closure") as e:
+        pymemplan.trace(model, (torch.randn(4, 64),), loss_fn=mean_loss, optimizer=optimizer)
+    assert f"up to {history} pairs" in str(e.value)
+    assert pymemplan.units.format_bytes((2 * history + 2) * trained) in str(e.value)
+    assert "optimizer=None" in str(e.value)
+
+
 def test_advise_gives_a_row_to_an_optimizer_that_cannot_run_and_goes_on(tmp_path):
     advice = pymemplan.advise(ComplexParam(), (torch.randn(4, 8),), capacity="1GiB",
                               loss_fn=mean_loss, device="cpu", world_size=2,

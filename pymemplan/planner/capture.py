@@ -1014,8 +1014,40 @@ def _make_optimizer(optimizer, params: list, fake_of: dict, profile: DeviceProfi
                 f"the optimizer factory returned {type(opt).__name__}, not a "
                 f"torch.optim.Optimizer; it must build the optimizer from the parameters it "
                 f"is given, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)")
+    _refuse_closure_optimizers(opt, params)
     prepare_optimizer(opt, profile)
     return opt
+
+
+def _refuse_closure_optimizers(opt, params: list) -> None:
+    from ..units import format_bytes
+
+    """An optimizer whose step() must be given a closure (torch.optim.LBFGS) runs forward
+    and backward again inside its step, as often as its line search asks: a step the
+    planner's one forward, backward and step() do not describe."""
+    import inspect
+
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    name = type(opt).__name__
+    group = opt.param_groups[0] if opt.param_groups else {}
+    history = group.get("history_size")
+    trained = sum(p.numel() * p.element_size() for p in params)
+    held = ""
+    if isinstance(history, int):
+        held = (f" {name} keeps up to {history} pairs of flat copies of the trained parameters "
+                f"(history_size) and two more: {format_bytes((2 * history + 2) * trained)} for "
+                f"these {format_bytes(trained)} of parameters, beside what one forward and "
+                f"backward take.")
+    raise UntraceableError(
+        f"{name}.step() takes a closure that runs forward and backward again, as many "
+        f"times as the optimizer asks (max_iter), which pymemplan.trace does not trace."
+        f"{held} Trace with optimizer=None for forward and backward alone, and add the "
+        f"optimizer's state to its peak.")
 
 
 def _placeholder_scalar(t):
