@@ -130,6 +130,7 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     # were there before it: read, and at no pointer the step allocated. Not in the measured
     # step: a dispatch mode can change which kernels run.
     older: dict[int, int] = {}
+    older_ptrs: set[int] = set()
     model.zero_grad(set_to_none=True)  # gradients left by an earlier step are not the step's
     if device.type == "cpu":
         reads = _reads(device, set(_state_storages(model, inputs, opt)))
@@ -137,6 +138,7 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
             step()
         made = set(dry.trace.ptr.tolist())
         older = {k: n for k, (n, ptr) in reads.storages.items() if ptr not in made}
+        older_ptrs = {ptr for n, ptr in reads.storages.values() if ptr not in made}
     else:
         step()
     if opt is not None:
@@ -168,6 +170,24 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     start += sum(n for key, n in older.items() if key not in known)
     with record(device="cpu") as rec:
         step()
+    # Made before the step, neither state nor read, and freed by it: a tensor a module keeps
+    # from one step to the next (self.cache = h.detach()), replaced here. Live until then,
+    # and its free lowers the running total below.
+    counted = older_ptrs | _data_ptrs(model, list(inputs) + grads, opt)
+    start += sum(n for ptr, n in rec.trace.meta["dropped_free_blocks"] if ptr not in counted)
     m = rec.trace.meta
     # The profiler's totals count from where recording started: add what was live then.
     return Measurement(start + m["peak_total_allocated"] - m["baseline_bytes"], start, rec.trace)
+
+
+def _data_ptrs(model, inputs, opt) -> set[int]:
+    """The data pointers of the storages _state_storages counts."""
+    import torch
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [a for a in inputs if isinstance(a, torch.Tensor)]
+    if opt is not None:
+        tensors += [v for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+

@@ -102,7 +102,8 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
     Each event's total must equal the total before it plus its size; otherwise the
     record is incomplete or misordered and :class:`RecordingError` names the event.
     Frees of blocks allocated before recording are dropped (counted in
-    ``meta["dropped_frees"]``, ``meta["dropped_free_bytes"]``) but still enter the sum.
+    ``meta["dropped_frees"]``, ``meta["dropped_free_bytes"]``, and listed as (pointer,
+    bytes) in ``meta["dropped_free_blocks"]``) but still enter the sum.
     A pointer allocated again while its block is live was freed where the profiler does
     not see (on another thread, which reports nothing, so the totals still agree): that
     free is put just before the new allocation, the latest it can have been (counted in
@@ -123,6 +124,7 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
     peak_total = baseline
     live: dict[int, int] = {}
     dropped = dropped_bytes = unseen = unseen_bytes = 0
+    dropped_blocks: list[tuple[int, int]] = []  # (pointer, bytes) of those frees
     for i, e in enumerate(evs):
         running += e.delta
         if running != e.total_allocated:
@@ -145,6 +147,7 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
             if owned is None:  # allocated before recording began
                 dropped += 1
                 dropped_bytes -= e.delta
+                dropped_blocks.append((e.ptr, -e.delta))
                 continue
             if owned != -e.delta:
                 raise RecordingError(f"{name}: {dev} allocation event {i}: free of {-e.delta} "
@@ -163,6 +166,7 @@ def trace_from_events(events: list[AllocationEvent], device: Any = None,
         "format": "torch-profiler", "device": dev, "baseline_bytes": baseline,
         "peak_total_allocated": peak_total, "final_total_allocated": running,
         "dropped_frees": dropped, "dropped_free_bytes": dropped_bytes,
+        "dropped_free_blocks": dropped_blocks,
         "unseen_frees": unseen, "unseen_free_bytes": unseen_bytes,
         "events": len(table),
     }
