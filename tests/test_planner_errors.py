@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -443,3 +445,21 @@ def test_cuda_autocast_promotes_ops_the_cpus_autocast_does_not(how):
     ops = [o.name for o in t.graph.ops if o.phase == "forward"]
     before = ops[:ops.index(f"aten.{how}.default")]
     assert before.count("aten._to_copy.default") == 4, before  # Linear's three, the source's
+
+
+@pytest.mark.parametrize("where", ["model", "submodule"])
+def test_a_compiled_model_is_traced_as_eager_and_says_so(where):
+    # trace() runs a compiled module's original forward op by op: the eager step, which a
+    # compiled step undercuts (found 2.6x above the compiled peak on an elementwise MLP).
+    # The figure is the eager step's, and a warning says so rather than pass it silently.
+    body = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    model = torch.compile(body) if where == "model" else nn.Sequential(torch.compile(body))
+    with pytest.warns(UserWarning, match=r"compiled with torch\.compile: pymemplan\.trace "
+                                         r"predicts the eager step") as caught:
+        t = pymemplan.trace(model, (torch.randn(8, 16),), loss_fn=mean_loss, device="cpu")
+    assert ("'0'" in str(caught[0].message)) == (where == "submodule")
+    assert t.peak_bytes == pymemplan.trace(body, (torch.randn(8, 16),), loss_fn=mean_loss,
+                                           device="cpu").peak_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and nothing for a model that is not compiled
+        pymemplan.trace(body, (torch.randn(8, 16),), loss_fn=mean_loss, device="cpu")
