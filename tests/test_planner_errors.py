@@ -49,6 +49,32 @@ def test_value_dependent_forward_names_op_module_and_fix(mode):
     assert "module 'enc.1'" in msg
     assert "aten." in msg                      # the op
     assert "torch.where" in msg and "values" in msg  # what to change
+    # and the line of the model's code that asked, as far down as the module's own frames
+    line = {"item": "x.abs().max().item()", "if": "x.sum() > 0", "mask": "x[x > 0]"}[mode]
+    lineno = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if line in text)
+    assert f"test_planner_errors.py:{lineno}, in forward)" in msg
+
+
+class PackedRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(100, 16), nn.LSTM(16, 32, batch_first=True), nn.Linear(32, 3)
+
+    def forward(self, ids, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        _, (h, _) = self.rnn(packed)
+        return self.out(h[-1])
+
+
+@pytest.mark.parametrize("lengths", [torch.tensor([10, 7, 5, 3]), [10, 7, 5, 3]])
+def test_a_packed_sequence_says_it_cannot_be_traced_and_what_to_do(lengths):
+    # The generic advice (pass the value as a Python number) does not help here: the packed
+    # size needs the lengths' values even when they are a list.
+    with pytest.raises(UntraceableError, match=r"packs a padded batch .*pack_padded_sequence.*"
+                                               r"run the RNN on the padded batch") as e:
+        pymemplan.trace(PackedRNN(), (torch.randint(0, 100, (4, 10)), lengths), loss_fn=mean_loss)
+    assert "test_planner_errors.py" in str(e.value) and "Python number" not in str(e.value)
 
 
 def test_a_mask_without_a_density_says_how_to_give_one():

@@ -1321,9 +1321,19 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
             f"cannot trace the {phase} pass: {where} uses the value of a tensor as a Python "
             f"value ({type(err).__name__}: {err}). {_VALUE_HINT}")
     if value_dependent:
+        # The line of the model's code that asked (the op's own traceback ends in dispatch).
+        line = _raising_line(exc, _module_at(model, module), own_only=True)
+        at = f" Asked for by the model's code{line}." if line else ""
+        if op == "aten._pack_padded_sequence.default":
+            return UntraceableError(
+                f"cannot trace the {phase} pass: {where} packs a padded batch "
+                f"(torch.nn.utils.rnn.pack_padded_sequence), whose packed size is the sum of "
+                f"the lengths' values, which fake tensors do not have, even where the lengths "
+                f"are a list.{at} Packed RNNs cannot be traced yet: run the RNN on the padded "
+                f"batch (its memory is the padded batch's, an upper bound) to trace it.")
         return UntraceableError(
             f"cannot trace the {phase} pass: op {op} in {where} needs the value of a tensor "
-            f"({type(err).__name__}: {err}). {_VALUE_HINT}")
+            f"({type(err).__name__}: {err}).{at} {_VALUE_HINT}")
     if phase == FORWARD and op is not None:
         return UntraceableError(
             f"the forward pass failed at op {op} in {where}, on operands of shapes {shapes}: "
@@ -1363,10 +1373,10 @@ def _module_at(model, path: str):
         return None
 
 
-def _raising_line(err: BaseException, module) -> str:
+def _raising_line(err: BaseException, module, own_only: bool = False) -> str:
     """Where Python code (not an op) raised, as ' (file:line, in f)': the innermost frame
     of a method of the failing module (its forward, or what the forward called; not
-    nn.Module's own, such as __getattr__), else the innermost frame."""
+    nn.Module's own, such as __getattr__), else the innermost frame ("" with own_only)."""
     frames = []
     tb = err.__traceback__
     while tb is not None:
@@ -1379,6 +1389,8 @@ def _raising_line(err: BaseException, module) -> str:
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     own = [f for f in frames if module is not None and f[0].f_locals.get("self") is module
            and not f[0].f_code.co_filename.startswith(torch_dir)]
+    if own_only and not own:
+        return ""
     frame, lineno = (own or frames)[-1]
     return f" ({frame.f_code.co_filename}:{lineno}, in {frame.f_code.co_name})"
 
