@@ -489,3 +489,15 @@ def test_a_compiled_model_is_traced_as_eager_and_says_so(where):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and nothing for a model that is not compiled
         pymemplan.trace(body, (torch.randn(8, 16),), loss_fn=mean_loss, device="cpu")
+
+
+def test_a_lazy_module_not_run_yet_says_to_run_it_once():
+    # Its parameters have no shape until a first forward; before, torch's own error about
+    # an uninitialized parameter surfaced from deep inside the trace.
+    model = nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(4))
+    with pytest.raises(PlannerError, match=r"parameters not made yet \(1\.weight, 1\.bias\): a "
+                                           r"lazy module .* Run the model once"):
+        pymemplan.trace(model, (torch.randn(2, 8),), loss_fn=mean_loss)
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    assert pymemplan.trace(model, (torch.randn(2, 8),), loss_fn=mean_loss).peak_bytes > 0

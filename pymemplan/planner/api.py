@@ -123,6 +123,14 @@ def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels
 
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    lazy = [name for name, p in model.named_parameters()
+            if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise PlannerError(
+            f"the model has parameters not made yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): a lazy module (nn.LazyLinear, nn.LazyConv2d, "
+            f"...) makes them at its first forward, from the input's shape. Run the model once "
+            f"on a real batch (model(*inputs), under torch.no_grad() if you like), then trace it.")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     elif isinstance(inputs, list):
