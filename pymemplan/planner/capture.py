@@ -108,6 +108,8 @@ class _Recorder:
         self.finalizers: list[weakref.finalize] = []
         self.seq = 0
         self.phase = FORWARD
+        # A value for .item() on a fake tensor in the optimizer step (_ScalarShadow), or None.
+        self.scalar_value: Callable | None = None
         # Module paths: "" is the model itself; OUTSIDE is code outside the model's forward
         # (the loss function, the optimizer).
         self.module_stack: list[str] = [OUTSIDE]
@@ -458,7 +460,8 @@ class _Recorder:
             density = 1.0 if density is None else density
         name = str(func)
         if self.phase == OPTIMIZER and func is torch.ops.aten._local_scalar_dense.default:
-            return _placeholder_scalar(args[0])
+            value = self.scalar_value(args[0]) if self.scalar_value is not None else None
+            return _placeholder_scalar(args[0]) if value is None else value
         self.ops.append(OpNode(index, name, module, self.phase, node))
         self.op_calls.append(calls)
         self.op_reads.append(tuple(t for t in (self.live.get(k) for k in in_keys) if t is not None))
@@ -1050,6 +1053,76 @@ def _refuse_closure_optimizers(opt, params: list) -> None:
         f"optimizer's state to its peak.")
 
 
+class _ScalarShadow:
+    """The values an optimizer's scalar state holds at a step, from a shadow of it.
+
+    Optimizers branch on scalars of their state (ASGD: ``if mu.item() != 1`` allocates a
+    parameter-sized temporary, which with its default t0 it does not do for a million steps;
+    RAdam on the step count), and fake tensors have no values. The shadow is the same
+    optimizer class with the same hyperparameters, per parameter group, over one real
+    one-element parameter, stepped on zero gradients: scalar state that depends on the
+    hyperparameters and the step count only (steps, decays, averaging weights) takes the
+    values it takes in the traced run. ``.item()`` on a fake state tensor answers with the
+    shadow's value of that key after ``steps`` steps (the first step reads after 1, the
+    traced one after 2, as their in-place increments leave them); anything else, or an
+    optimizer the shadow cannot run, answers None (the placeholder)."""
+
+    def __init__(self, opt, values: dict):
+        self.opt = opt
+        self.values = values  # _shadow_scalars(opt, steps), made outside the fake mode
+        self.where: dict[int, tuple[int, str]] = {}  # id(state tensor) -> (group, key)
+
+    def __call__(self, t):
+        if not self.values:
+            return None
+        found = self.where.get(id(t))
+        if found is None:  # state made since the last look (the first step makes it)
+            group_of = {id(p): gi for gi, g in enumerate(self.opt.param_groups)
+                        for p in g["params"]}
+            for p, st in self.opt.state.items():
+                for k, v in st.items():
+                    if id(p) in group_of:
+                        self.where[id(v)] = (group_of[id(p)], k)
+            found = self.where.get(id(t))
+        if found is None:
+            return None
+        value = self.values.get(found)
+        if value is None:
+            return None
+        if t.dtype == _torch().bool:
+            return bool(value)
+        return float(value) if t.dtype.is_floating_point else int(value)
+
+
+def _shadow_scalars(opt, steps: int) -> dict:
+    """(group index, key) -> the value of each scalar in a shadow optimizer's state after
+    `steps` steps (see _ScalarShadow); {} where it cannot be built or stepped."""
+    import torch
+
+    try:
+        with torch.device("cpu"), torch.no_grad():  # called outside the fake mode
+            params, groups = [], []
+            for g in opt.param_groups:
+                p = torch.zeros(1, requires_grad=True)
+                params.append(p)
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [p]})
+            shadow = type(opt)(groups)
+            for _ in range(steps):
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                shadow.step()
+    except Exception:  # fused or capturable kernels need a GPU; a closure; custom code
+        return {}
+    values = {}
+    for gi, p in enumerate(params):
+        for k, v in shadow.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() == 0:
+                values[(gi, k)] = v.item()
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                values[(gi, k)] = v
+    return values
+
+
 def _placeholder_scalar(t):
     """A value for ``.item()`` on a fake tensor in the optimizer step. Some optimizers
     read scalars there (Adafactor's parameter norm scales its step size); the memory the
@@ -1064,7 +1137,8 @@ def _torch():
     return torch
 
 
-def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode, trained) -> "_Recorder":
+def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode, trained,
+                          scalars: dict) -> "_Recorder":
     """The optimizer's first step, on zero gradients, recorded: it makes the optimizer's
     state, so that the traced step is the steady state, as in every step after the first,
     and the record says where a real run's first step makes that state (Adam: all of it
@@ -1078,6 +1152,7 @@ def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode, trained) -> "_
     import torch
 
     rec = _Recorder(profile, fake_mode, None)
+    rec.scalar_value = _ScalarShadow(opt, scalars)
     params = [p for g in opt.param_groups for p in g["params"]]
     kept = [p.grad for p in params]
     for p in params:
@@ -1477,6 +1552,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                     f.grad = torch.zeros_like(f)
             scaler = _ScalerState() if grad_scaler else None
 
+        # The optimizer's scalar state after its first and second steps (_ScalarShadow).
+        shadow_scalars = {n: _shadow_scalars(opt, n) if opt is not None else {} for n in (1, 2)}
         # What exists when the step starts.
         rec.known_real = real_storages((*model.parameters(), *model.buffers(),
                                         *pytree.tree_leaves(tuple(inputs))))
@@ -1572,7 +1649,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                 rec.phase = OPTIMIZER  # its first step, which makes the state, fails as one
                 trained = _trained(rec, params, grad_versions)
                 with fake_mode:
-                    first = _first_optimizer_step(opt, profile, fake_mode, trained)
+                    first = _first_optimizer_step(opt, profile, fake_mode, trained,
+                                                  shadow_scalars[1])
                 register_state()
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)):
                 if opt is not None:
@@ -1581,6 +1659,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                     if scaler is not None:
                         scaler.unscale([f.grad for f in params if f.grad is not None])
                     step_ops = len(rec.ops)
+                    rec.scalar_value = _ScalarShadow(opt, shadow_scalars[2])
                     opt.step()
                     step_span = (step_ops, len(rec.ops))
                     if scaler is not None:
