@@ -1071,12 +1071,16 @@ class _ScalarShadow:
         self.opt = opt
         self.values = values  # _shadow_scalars(opt, steps), made outside the fake mode
         self.where: dict[int, tuple[int, str]] = {}  # id(state tensor) -> (group, key)
+        self.indexed = -1  # len(opt.state) when `where` was made
 
     def __call__(self, t):
         if not self.values:
             return None
         found = self.where.get(id(t))
-        if found is None:  # state made since the last look (the first step makes it)
+        if found is None and len(self.opt.state) != self.indexed:
+            # State made since the last look (the first step makes it, parameter by
+            # parameter); a read of anything else (a parameter's norm) costs no scan.
+            self.indexed = len(self.opt.state)
             group_of = {id(p): gi for gi, g in enumerate(self.opt.param_groups)
                         for p in g["params"]}
             for p, st in self.opt.state.items():
