@@ -27,7 +27,8 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
     - ``optimizer``: None (forward + backward), a ``torch.optim.Optimizer`` class, a
       callable ``params -> optimizer``, or an optimizer instance (rebuilt with the same
       class and hyperparameters). With one, the traced step is the steady state: the
-      optimizer's state already exists and gradients start as None.
+      optimizer's state already exists and gradients start as None, and the scalars its step
+      branches on (step counts) are those of a step well into training, the 1,000th.
     - ``device``: the device predicted, ``"cuda"`` (default) or ``"cpu"``. No GPU needed.
     - ``autocast``: None, ``torch.bfloat16`` or ``torch.float16``.
     - ``train``: trace in training mode (dropout, batch-norm statistics); the model's own

@@ -1063,9 +1063,9 @@ class _ScalarShadow:
     one-element parameter, stepped on zero gradients: scalar state that depends on the
     hyperparameters and the step count only (steps, decays, averaging weights) takes the
     values it takes in the traced run. ``.item()`` on a fake state tensor answers with the
-    shadow's value of that key after ``steps`` steps (the first step reads after 1, the
-    traced one after 2, as their in-place increments leave them); anything else, or an
-    optimizer the shadow cannot run, answers None (the placeholder)."""
+    shadow's value of that key after that many steps: 1 for the first step (its in-place
+    increments read so), _STEADY_STEP for the traced one, a step well into training; anything
+    else, or an optimizer the shadow cannot run, answers None (the placeholder)."""
 
     def __init__(self, opt, values: dict):
         self.opt = opt
@@ -1096,6 +1096,13 @@ class _ScalarShadow:
         if t.dtype == _torch().bool:
             return bool(value)
         return float(value) if t.dtype.is_floating_point else int(value)
+
+
+# The step whose scalars the traced step reads: one well into training, past the warm-ups
+# optimizers branch on (RAdam's rectified update begins at step 6 with its default betas and
+# takes 1.5 parameter-sized temporaries more than steps 2 to 5), and short of schedules
+# that change only after very long runs (ASGD averages from t0 = a million steps).
+_STEADY_STEP = 1000
 
 
 def _shadow_scalars(opt, steps: int) -> dict:
@@ -1557,7 +1564,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
             scaler = _ScalerState() if grad_scaler else None
 
         # The optimizer's scalar state after its first and second steps (_ScalarShadow).
-        shadow_scalars = {n: _shadow_scalars(opt, n) if opt is not None else {} for n in (1, 2)}
+        shadow_scalars = {n: _shadow_scalars(opt, n) if opt is not None else {}
+                          for n in (1, _STEADY_STEP)}
         # What exists when the step starts.
         rec.known_real = real_storages((*model.parameters(), *model.buffers(),
                                         *pytree.tree_leaves(tuple(inputs))))
@@ -1663,7 +1671,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                     if scaler is not None:
                         scaler.unscale([f.grad for f in params if f.grad is not None])
                     step_ops = len(rec.ops)
-                    rec.scalar_value = _ScalarShadow(opt, shadow_scalars[2])
+                    rec.scalar_value = _ScalarShadow(opt, shadow_scalars[_STEADY_STEP])
                     opt.step()
                     step_span = (step_ops, len(rec.ops))
                     if scaler is not None:

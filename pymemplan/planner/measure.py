@@ -102,7 +102,8 @@ def step_fn(model, inputs, loss_fn, opt, autocast=None, scaler=None):
 
 
 def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
-                 grads_present: bool = False, grad_scaler: bool = False) -> Measurement:
+                 grads_present: bool = False, grad_scaler: bool = False,
+                 steps_before: int = 1) -> Measurement:
     """Run one steady-state training step for real and measure its peak.
 
     With an optimizer, a first step creates its state; gradients are then set to None and
@@ -114,6 +115,9 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     the one the model's parameters are on. ``autocast``, ``grads_present`` (a later
     micro-step of gradient accumulation: gradients exist and backward adds into them) and
     ``grad_scaler`` (``torch.amp.GradScaler``) as for :func:`pymemplan.trace`.
+    ``steps_before``: unmeasured steps before the measured one (1: the second step is
+    measured); more for optimizers whose step changes after a warm-up (RAdam's rectified
+    update from its sixth step), as :func:`pymemplan.trace` predicts a step well into training.
     """
     import torch
 
@@ -148,6 +152,9 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
             if scaler is None or opt.state:
                 break
             step()
+    for _ in range(steps_before - 1):
+        model.zero_grad(set_to_none=True)
+        step()
     model.zero_grad(set_to_none=True)
     grads = []
     if grads_present:
