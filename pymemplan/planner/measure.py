@@ -28,9 +28,8 @@ def _build_optimizer(optimizer, model):
     return optimizer(model.parameters())
 
 
-def _state_storages(model, inputs, opt) -> dict[int, int]:
-    """The distinct storages (key -> bytes) of parameters, buffers, tensor inputs and
-    optimizer state on the model's device (shared storages counted once)."""
+def _state_tensors(model, inputs, opt) -> list:
+    """Parameters, buffers, tensor inputs and optimizer state on the model's device."""
     import torch
 
     device = next(iter(model.parameters())).device
@@ -39,12 +38,14 @@ def _state_storages(model, inputs, opt) -> dict[int, int]:
     if opt is not None:
         tensors += [v for st in opt.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor)]
-    seen = {}
-    for t in tensors:
-        if t.device == device:  # e.g. CUDA optimizers keep `step` counters on the CPU
-            s = t.untyped_storage()
-            seen[s._cdata] = s.nbytes()
-    return seen
+    # e.g. CUDA optimizers keep `step` counters on the CPU
+    return [t for t in tensors if t.device == device]
+
+
+def _state_storages(model, inputs, opt) -> dict[int, int]:
+    """The distinct storages (key -> bytes) of _state_tensors (shared storages counted once)."""
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+            for t in _state_tensors(model, inputs, opt)}
 
 
 def _reads(device, known: set[int]):
@@ -180,21 +181,10 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     # Made before the step, neither state nor read, and freed by it: a tensor a module keeps
     # from one step to the next (self.cache = h.detach()), replaced here. Live until then,
     # and its free lowers the running total below.
-    counted = older_ptrs | _data_ptrs(model, list(inputs) + grads, opt)
+    counted = older_ptrs | {t.untyped_storage().data_ptr()
+                            for t in _state_tensors(model, list(inputs) + grads, opt)}
     start += sum(n for ptr, n in rec.trace.meta["dropped_free_blocks"] if ptr not in counted)
     m = rec.trace.meta
     # The profiler's totals count from where recording started: add what was live then.
     return Measurement(start + m["peak_total_allocated"] - m["baseline_bytes"], start, rec.trace)
-
-
-def _data_ptrs(model, inputs, opt) -> set[int]:
-    """The data pointers of the storages _state_storages counts."""
-    import torch
-
-    tensors = list(model.parameters()) + list(model.buffers())
-    tensors += [a for a in inputs if isinstance(a, torch.Tensor)]
-    if opt is not None:
-        tensors += [v for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor)]
-    return {t.untyped_storage().data_ptr() for t in tensors}
 
