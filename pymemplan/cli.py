@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from .units import format_bytes
@@ -105,13 +104,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from .traces import TraceError, explain_snapshot
-    from .traces.snapshot import load_snapshot_segments
 
     try:
-        snap = load_snapshot_segments(args.snapshot)
-        why = explain_snapshot(snap, device=args.device, top=args.top, compare=args.compare,
-                               capacity=args.capacity, policies=args.policy,
-                               name=os.path.basename(args.snapshot))
+        # The path, not the loaded dict: messages about the snapshot then name the file.
+        why = explain_snapshot(args.snapshot, device=args.device, top=args.top,
+                               compare=args.compare, capacity=args.capacity,
+                               policies=args.policy)
     except (TraceError, ValueError, OSError) as e:
         print(f"pymemplan explain: {e}", file=sys.stderr)
         return 2
@@ -120,7 +118,7 @@ def _explain(args: argparse.Namespace) -> int:
         print()
         return 0
     print("\n".join(why.lines()))
-    if args.compare and why.fit is None:
+    if args.compare and why.fit is None and why.fit_error is None:
         print()
         print("No allocation history in the snapshot: record it with "
               "torch.cuda.memory._record_memory_history(max_entries=100000) before the run "

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -287,3 +288,114 @@ def test_a_block_site_is_the_users_code_where_the_stack_has_it():
     assert _site([cpp, torch_py]) == "/env/site-packages/torch/nn/modules/linear.py:125 (forward)"
     assert _site([cpp]) == "/opt/pytorch/c10/cuda/CUDACachingAllocator.cpp:7 (malloc)"
     assert _site([]) is None and _site(None) is None
+
+
+BASE = 0x7F0000000000
+
+
+def _entry(action, addr, size, t, **kw):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": [],
+            **kw}
+
+
+def _snapshot_with_history(history):
+    """PyTorch's snapshot of one 20 MiB segment holding a 5 MiB block, with `history` on
+    device 0 as torch.cuda.memory._record_memory_history records it."""
+    seg = {"device": 0, "address": BASE, "total_size": 20 * MiB, "stream": 0,
+           "segment_type": "large", "is_expandable": False, "frames": [],
+           "blocks": [{"address": BASE, "size": 5 * MiB, "requested_size": 5 * MiB,
+                       "state": "active_allocated", "frames": []},
+                      {"address": BASE + 5 * MiB, "size": 15 * MiB, "requested_size": 0,
+                       "state": "inactive", "frames": []}]}
+    return {"segments": [seg], "device_traces": [history],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}}
+
+
+def test_user_defined_annotations_in_the_history_are_skipped(tmp_path, capsys):
+    """_record_memory_history(..., global_record_annotations=True) writes an entry of action
+    "user_defined" per record_function start and end (some PyTorch 2.x releases): markers,
+    which change no memory."""
+    from pymemplan.traces import read_snapshot_pickle
+
+    history = [_entry("user_defined", 0, 0, 1, user_metadata="## forward ## START"),
+               _entry("segment_alloc", BASE, 20 * MiB, 2), _entry("alloc", BASE, 5 * MiB, 3),
+               _entry("user_defined", 0, 0, 4, user_metadata="## forward ## END")]
+    path = tmp_path / "annotated.pickle"
+    path.write_bytes(pickle.dumps(_snapshot_with_history(history)))
+    trace = read_snapshot_pickle(path)
+    assert trace.action.tolist() == [ALLOC] and trace.size.tolist() == [5 * MiB]
+    assert main(["explain", str(path), "--policy", "torch", "--policy", "pymemplan-vmm"]) == 0
+    out = capsys.readouterr().out
+    assert "annotated.pickle: the same 1 events, under each allocator:" in out, out
+    assert "pymemplan-vmm  peak reserved" in out, out
+
+
+@pytest.mark.parametrize("history, problem", [
+    # An action PyTorch may add later: what it does to memory is not known, so it is not skipped.
+    ([_entry("alloc", BASE, 5 * MiB, 1), _entry("segment_defragment", BASE, 0, 2)],
+     "device 0, event 1: unknown action 'segment_defragment'"),
+    ([_entry("alloc", BASE, 5 * MiB, 1), _entry("alloc", BASE, MiB, 2)],
+     "device 0, event 1: pointer 0x7f0000000000 allocated again while still live"),
+])
+def test_a_history_that_cannot_be_replayed_still_gives_the_split_and_says_why(
+        tmp_path, capsys, history, problem):
+    snap = _snapshot_with_history(history)
+    path = tmp_path / "bad_history.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "device 0: 20.00 MiB reserved" in out, out
+    assert "live 5.00 MiB (25.0%)" in out and "cached 0 B" in out, out
+    assert f"the history cannot be replayed: {path}: {problem}" in out, out
+    assert "--no-compare" in out and "report" in out, out
+    assert "No allocation history in the snapshot" not in out, out
+    assert main(["explain", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["fit"] is None and problem in got["fit_error"]
+    assert got["live_bytes"] == 5 * MiB and got["fragment_bytes"] == 15 * MiB
+    # From Python (pymemplan.explain_memory() in an OOM handler calls this): no raise.
+    why = explain_snapshot(snap, compare=True)
+    assert why.fit is None and why.fit_error.startswith(f"snapshot: {problem}")
+    assert why.live_bytes == 5 * MiB and "the history cannot be replayed" in str(why)
+    assert explain_snapshot(snap).fit_error is None  # compare=False: nothing replayed
+    # The replay itself still refuses such a history: skipping it could give a wrong replay.
+    assert main(["replay", str(path)]) == 2
+    assert problem in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("snap, problem", [
+    ({"segments": [{"device": 0, "address": 1, "total_size": 512}]},
+     "segment 0 has no 'blocks' (expected a list of its blocks)"),
+    ({"segments": [{"address": 1, "total_size": 512, "blocks": [{"address": 1, "size": 512}]}]},
+     "segment 0, block 0 has no 'state' (expected a string such as 'active_allocated')"),
+    ({"segments": ["x"]}, "segment 0 is a str, expected a dict"),
+    ({"segments": [{"address": 1, "total_size": "512", "blocks": []}]},
+     "segment 0: 'total_size' is '512', expected an integer >= 0"),
+    ({"segments": [{"address": 0, "total_size": 4 * MiB, "mapped_size": 2 * MiB,
+                    "page_size": 2 * MiB, "page_mapped": [True],
+                    "blocks": [{"address": 0, "size": 4 * MiB, "state": "active_allocated"}]}]},
+     "segment 0, block 0 (at 0x0, 4.00 MiB) lies outside the segment's 1 page(s) of 2.00 MiB "
+     "from 0x0"),
+    ({"segments": [], "device_traces": []}, "it has no segment at all: nothing was allocated"),
+])
+def test_a_malformed_snapshot_is_refused_with_what_is_wrong(tmp_path, capsys, snap, problem):
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["explain", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pymemplan explain: ") and problem in err, err
+    assert "Traceback" not in err
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        explain_snapshot(snap)
+
+
+def test_a_pickle_of_memory_snapshot_the_list_of_segments_is_read(tmp_path, capsys):
+    """torch.cuda.memory_snapshot() returns the segments alone, as a list (PyTorch's
+    _memory_viz reads a pickle of it too)."""
+    path = tmp_path / "segments.pickle"
+    path.write_bytes(pickle.dumps(_torch_snapshot()["segments"]))
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "device 0: 22.00 MiB reserved" in out and "No allocation history" in out, out
+    assert explain_snapshot(_torch_snapshot()["segments"], device=1).live_bytes == 2 * MiB
+    assert explain_snapshot(path).reserved_bytes == 22 * MiB

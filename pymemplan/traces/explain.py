@@ -110,6 +110,8 @@ class MemoryExplanation(_Split):
     # Where asked for (compare=True) and the snapshot has allocation history: its requests
     # replayed under each allocator (pymemplan.traces.fit.FitComparison); else None.
     fit: object = None
+    # Where that history could not be replayed: why (the TraceError's message); fit is None.
+    fit_error: str | None = None
 
     def lines(self) -> list[str]:
         """The explanation as text, a line per finding."""
@@ -117,6 +119,12 @@ class MemoryExplanation(_Split):
         out = _lines(self, head, [], lambda b: f"allocated at {b.site or '(no stack recorded)'}")
         if self.fit is not None:
             out += ["", *self.fit.lines()]
+        if self.fit_error is not None:
+            out += ["", f"Which allocator would have fit is not told: the history cannot be "
+                        f"replayed: {self.fit_error}",
+                    "The split above does not need the history. If PyTorch or pymemplan wrote "
+                    "the snapshot as it is, report this message (with PyTorch's version) to "
+                    "pymemplan; --no-compare (compare=False from Python) leaves the replays out."]
         return out
 
 
@@ -147,8 +155,9 @@ def _lines(why, head: str, extra: list[str], describe) -> list[str]:
 def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool = False,
                      capacity=None, policies=None, name: str | None = None) -> MemoryExplanation:
     """What reserved memory holds in `snapshot` on `device`: a snapshot dict
-    (``torch.cuda.memory._snapshot()``, ``pymemplan.snapshot()``) or the path of a
-    pickle of one (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
+    (``torch.cuda.memory._snapshot()``, ``pymemplan.snapshot()``), the list of segments
+    ``torch.cuda.memory_snapshot()`` returns, or the path of a pickle of either
+    (``torch.cuda.memory._dump_snapshot``, ``pymemplan.save_snapshot``).
 
     The split is that of `explain_peak`, at the moment the snapshot was taken. A block's site
     is the innermost Python frame of its stack outside PyTorch's package, where the snapshot has
@@ -160,21 +169,26 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool =
     `compare`: where the snapshot has allocation history on `device`, also replay its
     requests under each allocator (`fit`: pymemplan.traces.snapshot_fit, with `capacity`
     and `policies`): which would have fit; `name` names the snapshot there (default: the
-    file's name, or "device N").
+    file's name, or "device N"). Where that history cannot be replayed (an action this
+    reader does not know, an inconsistent history), `fit` is None and `fit_error` says why:
+    the split does not need the history.
 
-    Raises TraceError for a file that is not a snapshot, ValueError for a snapshot without
-    segments on `device` or a bad `top`."""
-    from .snapshot import load_snapshot_segments, segment_reserved
+    Raises TraceError (a ValueError) for a snapshot that is malformed or not one, naming what
+    is wrong, ValueError for a snapshot without segments on `device`, a bad `top`, `capacity`
+    or `policies`."""
+    from .snapshot import checked_segments, load_snapshot_segments, segment_reserved
+    from .trace import TraceError
 
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     path_name = None
     if isinstance(snapshot, (str, os.PathLike)):
+        where = str(snapshot)
         path_name = os.path.basename(snapshot)
         snapshot = load_snapshot_segments(snapshot)
-    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
-        raise ValueError("not a memory snapshot: expected a dict with a 'segments' list, as "
-                         "torch.cuda.memory._snapshot() returns")
+    else:
+        where = "snapshot"
+        snapshot = checked_segments(snapshot, where)
     segments = [seg for seg in snapshot["segments"] if seg.get("device", 0) == device]
     if not segments:
         found = sorted({seg.get("device", 0) for seg in snapshot["segments"]})
@@ -196,15 +210,21 @@ def explain_snapshot(snapshot, *, device: int = 0, top: int = 5, compare: bool =
                       [SnapshotBlock(b.get("requested_size") or b["size"], _site(b.get("frames")))
                        for b in blocks])
                for address, nbytes, free, largest, blocks in units[:top]]
-    fit = None
+    fit = fit_error = None
     history = snapshot.get("device_traces")
-    if compare and isinstance(history, list) and device < len(history) and history[device]:
+    if compare and history is not None and (not isinstance(history, list)
+                                            or device < len(history) and history[device]):
         from .fit import snapshot_fit
 
-        fit = snapshot_fit(snapshot, device=device, capacity=capacity, policies=policies,
-                           name=name or path_name or f"device {device}")
+        # A history this reader cannot replay leaves the split standing: it is what is asked
+        # for at an out-of-memory error, and it needs no history.
+        try:
+            fit = snapshot_fit(snapshot, device=device, capacity=capacity, policies=policies,
+                               name=name or path_name or f"device {device}", where=where)
+        except TraceError as e:
+            fit_error = str(e)
     return MemoryExplanation(
-        device=device, fit=fit, reserved_bytes=reserved, live_bytes=requested,
+        device=device, fit=fit, fit_error=fit_error, reserved_bytes=reserved, live_bytes=requested,
         rounding_bytes=allocated - requested, pending_bytes=pending, cached_bytes=cached,
         fragment_bytes=reserved - allocated - pending - cached,
         unit="page" if paged else "segment", partly_used=len(units), holders=holders)

@@ -184,8 +184,9 @@ def compare_fit(trace: Trace, *, capacity=None, policies=None, recorded: str | N
             row.ooms = run(name, config, cap, spec)["ooms"]
             row.fits = row.ooms == 0
         out.rows.append(row)
-    rec = out.rows[0] if out.rows else None
-    if cap is not None and failed and rec is not None and rec.fits and recorded is not None:
+    # The recorded allocator's row, where it was among those asked for: not the first row.
+    rec = next((r for r in out.rows if recorded is not None and r.policy == recorded), None)
+    if cap is not None and failed and rec is not None and rec.fits:
         why = ("the blocks made before the history began are placed together here, where the "
                "run's own layout of them left holes, or " if trace.meta.get("earlier_blocks") else "")
         out.notes.append(
@@ -264,7 +265,8 @@ def _smallest_device(runs, live: int, reserved: int, gran: int, ample: int) -> i
 
 
 def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies=None,
-                 granularity="2MiB", name: str | None = None) -> FitComparison:
+                 granularity="2MiB", name: str | None = None,
+                 where: str | None = None) -> FitComparison:
     """compare_fit over a snapshot's allocation history (a dict, as
     ``torch.cuda.memory._snapshot()`` returns, or the path of a pickle of one), with the
     blocks made before the history placed first.
@@ -276,8 +278,10 @@ def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies
     the most allocation events.
 
     Raises TraceError where the snapshot has no allocation history on the device (record it
-    with ``torch.cuda.memory._record_memory_history()``), ValueError for bad arguments.
-    `name` names the trace in the text (default: the file's name)."""
+    with ``torch.cuda.memory._record_memory_history()``) or one that cannot be replayed,
+    ValueError for bad arguments.
+    `name` names the trace in the text (default: the file's name); `where`, a snapshot dict
+    in error messages (default: "snapshot")."""
     import os
 
     from .replay import torch_policy_from_conf
@@ -289,7 +293,7 @@ def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies
         where = str(snapshot)
         snap = load_snapshot(snapshot)
     else:
-        where, snap = "snapshot", snapshot
+        where, snap = where or "snapshot", snapshot
     trace = snapshot_trace(snap, device, name=name or os.path.basename(where), where=where)
     dev = trace.meta["device"]
     if not trace.meta["devices"].get(dev):
@@ -301,8 +305,8 @@ def snapshot_fit(snapshot, *, device: int | None = None, capacity=None, policies
     if isinstance(ours, str) and ours:  # pymemplan.save_snapshot: the plugin's own policy
         try:
             parse_policy(ours)
-        except _core.AllocatorError as e:
-            raise ValueError(f"{where}: the snapshot's pymemplan policy {ours!r}: {e}") from None
+        except _core.AllocatorError as e:  # the snapshot's fault, not the caller's
+            raise TraceError(f"{where}: the snapshot's pymemplan policy {ours!r}: {e}") from None
         name, _, config = ours.partition("=")
         # Named alone where its config is the policy's default.
         default = _core.parse_config(name, "") == _core.parse_config(name, config)

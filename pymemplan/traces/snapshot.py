@@ -12,7 +12,10 @@ We keep what the *program* asked for, not what the recorded allocator decided:
 * ``free_completed`` -> FREE. ``free_requested`` is ignored: a block is reusable only
   once the streams that used it are done, which is when the free completes.
 * ``oom`` -> ALLOC_FAILURE (pointer 0; ``size`` is the request that failed).
-* ``segment_*``, ``snapshot``, ``annotate``: ignored (allocator decisions, markers).
+* ``segment_*``, ``snapshot``, ``annotate``, ``user_defined``: ignored (allocator decisions,
+  markers; ``user_defined`` is what some 2.x releases write for an annotation).
+* Any other action is refused (TraceError): it may change memory, in a PyTorch newer than
+  this reader, and skipping it could make a replay wrong without a word.
 
 The history may begin mid-run: the ring buffer keeps the last ``max_entries`` actions, and
 recording often starts after the model is built. Blocks made before it are then still
@@ -35,13 +38,17 @@ import pickle
 
 import numpy as np
 
+from ..units import format_bytes
 from ._files import read_bytes, trace_name
 from ._pairing import pair_events
 from .trace import ALLOC, ALLOC_FAILURE, FREE, Trace, TraceError
 
 _KEPT = {"alloc": ALLOC, "free_completed": FREE, "oom": ALLOC_FAILURE}
 _IGNORED = {"free_requested", "segment_alloc", "segment_free", "segment_map",
-            "segment_unmap", "snapshot", "annotate"}
+            "segment_unmap", "snapshot", "annotate",
+            # An annotation (record_function's start and end) under global_record_annotations=True
+            # in the PyTorch 2.x releases that wrote it so; later ones write "annotate".
+            "user_defined"}
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -66,12 +73,77 @@ def _unpickle(path: str | os.PathLike, data: bytes | None) -> object:
 def load_snapshot_segments(path: str | os.PathLike) -> dict:
     """A snapshot dict whose segments are what is wanted (not its history): a pickle file
     (gzipped or not) with a 'segments' list, as torch.cuda.memory._dump_snapshot and
-    pymemplan.save_snapshot write."""
-    snap = _unpickle(path, None)
+    pymemplan.save_snapshot write, or of the list alone (torch.cuda.memory_snapshot()),
+    checked as checked_segments does."""
+    return checked_segments(_unpickle(path, None), str(path))
+
+
+def checked_segments(snap, where: str = "snapshot") -> dict:
+    """`snap` with its segments and their blocks checked to hold what reading them needs,
+    once, so that a malformed snapshot is refused with what is wrong (TraceError) instead of
+    failing midway. A list is the segments alone, as torch.cuda.memory_snapshot() returns
+    them; PyTorch's _memory_viz reads it so too. `where` names it in messages."""
+    if isinstance(snap, list):
+        snap = {"segments": snap, "device_traces": []}
     if not isinstance(snap, dict) or not isinstance(snap.get("segments"), list):
-        raise TraceError(f"{path}: not a memory snapshot (no 'segments' list); write one with "
-                         f"torch.cuda.memory._dump_snapshot(path) or pymemplan.save_snapshot(path)")
+        raise TraceError(
+            f"{where}: not a memory snapshot (no 'segments' list): expected a dict with a "
+            f"'segments' list, as torch.cuda.memory._snapshot() returns, or the list of segments "
+            f"torch.cuda.memory_snapshot() returns; write one with "
+            f"torch.cuda.memory._dump_snapshot(path) or pymemplan.save_snapshot(path)")
+    for k, seg in enumerate(snap["segments"]):
+        at = f"{where}: segment {k}"
+        if not isinstance(seg, dict):
+            raise TraceError(f"{at} is a {type(seg).__name__}, expected a dict (with 'address', "
+                             f"'total_size' and 'blocks')")
+        _check(seg, "address", at, _is_count, "an integer >= 0")
+        _check(seg, "total_size", at, _is_count, "an integer >= 0")
+        _check(seg, "blocks", at, lambda v: isinstance(v, list), "a list of its blocks")
+        if "device" in seg:
+            _check(seg, "device", at, _is_count, "a device index")
+        paged = "page_mapped" in seg  # pymemplan's virtual segments: memory is per page
+        if paged:
+            _check(seg, "page_mapped", at, lambda v: isinstance(v, list), "a list, a flag per page")
+            _check(seg, "page_size", at, lambda v: _is_count(v) and v > 0, "an integer > 0")
+            _check(seg, "mapped_size", at, _is_count, "an integer >= 0")
+            aliased = seg.get("page_aliased")
+            if aliased is not None and (not isinstance(aliased, list)
+                                        or len(aliased) != len(seg["page_mapped"])):
+                raise TraceError(f"{at}: 'page_aliased' is {aliased!r:.60}, expected a list of "
+                                 f"{len(seg['page_mapped'])} flags, as 'page_mapped'")
+            end = seg["address"] + len(seg["page_mapped"]) * seg["page_size"]
+        for j, b in enumerate(seg["blocks"]):
+            bat = f"{at}, block {j}"
+            if not isinstance(b, dict):
+                raise TraceError(f"{bat} is a {type(b).__name__}, expected a dict (with "
+                                 f"'address', 'size' and 'state')")
+            _check(b, "address", bat, _is_count, "an integer >= 0")
+            _check(b, "size", bat, _is_count, "an integer >= 0")
+            _check(b, "state", bat, lambda v: isinstance(v, str),
+                   "a string such as 'active_allocated'")
+            if b.get("requested_size") is not None:
+                _check(b, "requested_size", bat, _is_count, "an integer >= 0")
+            frames = b.get("frames")
+            if frames is not None and (not isinstance(frames, list)
+                                       or not all(isinstance(f, dict) for f in frames)):
+                raise TraceError(f"{bat}: 'frames' is {frames!r:.60}, expected a list of dicts "
+                                 f"(a stack, with 'filename', 'line' and 'name')")
+            if paged and not seg["address"] <= b["address"] <= b["address"] + b["size"] <= end:
+                raise TraceError(f"{bat} (at {b['address']:#x}, {format_bytes(b['size'])}) lies "
+                                 f"outside the segment's {len(seg['page_mapped'])} page(s) of "
+                                 f"{format_bytes(seg['page_size'])} from {seg['address']:#x}")
     return snap
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check(d: dict, key: str, at: str, ok, expected: str) -> None:
+    if key not in d:
+        raise TraceError(f"{at} has no {key!r} (expected {expected})")
+    if not ok(d[key]):
+        raise TraceError(f"{at}: {key!r} is {d[key]!r:.60}, expected {expected}")
 
 
 def load_snapshot(path: str | os.PathLike, data: bytes | None = None) -> dict:
@@ -128,6 +200,9 @@ def snapshot_trace(snap: dict, device: int | str | None = None, *, name: str = "
         raise TraceError(f"{where}: not a PyTorch memory snapshot with allocation history (no "
                          f"'device_traces' list)")
     traces = snap["device_traces"]
+    if not all(isinstance(d, list) for d in traces):
+        raise TraceError(f"{where}: 'device_traces' must be a list (one per device) of lists "
+                         f"of events")
     counts = snapshot_devices(snap)
     if device is None:
         if not counts:
@@ -177,7 +252,8 @@ def _device_trace(path, events: list, dev: int, counts: dict, name: str,
         code = _KEPT.get(act)
         if code is None:
             raise TraceError(f"{where}, event {i}: unknown action {act!r} (expected one of: "
-                             f"{', '.join(sorted([*_KEPT, *_IGNORED]))})")
+                             f"{', '.join(sorted([*_KEPT, *_IGNORED]))}); what it does to "
+                             f"memory is not known, so the history is not replayed")
         size = _int_field(e, "size", where, i)
         if size < 0:
             raise TraceError(f"{where}, event {i}: negative size {size} in {act!r}")
