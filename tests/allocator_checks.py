@@ -30,8 +30,11 @@ def check_invariants(alloc, device, live: dict[int, int], limit: int = 0) -> Non
             assert b["address"] % 512 == 0, "block not 512-byte aligned"
             addr += b["size"]
         assert addr == seg["address"] + seg["total_size"], "blocks do not cover their segment"
-        # torch leaves expandable segments out of inactive_split.
-        split = len(seg["blocks"]) > 1 and not seg.get("torch_expandable", False)
+        # torch leaves expandable segments out of inactive_split, and so do our virtual ones
+        # (free blocks there are mostly address space); GMLake's are mapped whole.
+        releasable = seg.get("torch_expandable", False) or (
+            seg.get("is_expandable", False) and not alloc.policy.startswith("gmlake"))
+        split = len(seg["blocks"]) > 1 and not releasable
         for b in seg["blocks"]:
             for p in ("all", pool):
                 if b["state"] == "active_allocated":

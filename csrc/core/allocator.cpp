@@ -902,9 +902,10 @@ void CachingAllocator::insert_free(Block* b) {
   if (b->is_whole_segment()) {
     // Arenas go back only when retired, expandable segments never (their pages do).
     if (!reserved && !b->unmapped) unused_segments_.insert(b);
-  } else if (b->segment->chunk == 0) {
+  } else if (!b->segment->vmm) {
     // torch: free_block(): expandable segments are left out of inactive_split (their free
-    // chunks can always be unmapped).
+    // chunks can always be unmapped), and so are ours of virtual memory: most of their free
+    // blocks are address space with no page behind them.
     update_stat(&Stats::inactive_split, pool.small, 1);
     update_stat(&Stats::inactive_split_bytes, pool.small, static_cast<std::int64_t>(b->size));
   }
@@ -924,7 +925,7 @@ void CachingAllocator::erase_free(Block* b) {
   b->listed = false;
   if (b->is_whole_segment()) {
     if (!reserved && !b->unmapped) unused_segments_.erase(b);
-  } else if (b->segment->chunk == 0) {
+  } else if (!b->segment->vmm) {
     update_stat(&Stats::inactive_split, pool.small, -1);
     update_stat(&Stats::inactive_split_bytes, pool.small, -static_cast<std::int64_t>(b->size));
   }

@@ -297,14 +297,10 @@ Block* CachingAllocator::make_guard(Segment* seg, std::uintptr_t lo, std::uintpt
   g->allocated = true;
   g->stream = kAnyStream;
   count_use(g, +1);
-  update_stat(&Stats::inactive_split, false, 1);
-  update_stat(&Stats::inactive_split_bytes, false, static_cast<std::int64_t>(g->size));
   return g;
 }
 
 void CachingAllocator::drop_guard(Block* g) {
-  update_stat(&Stats::inactive_split, false, -1);
-  update_stat(&Stats::inactive_split_bytes, false, -static_cast<std::int64_t>(g->size));
   count_use(g, -1);
   g->guard = false;
   g->allocated = false;
