@@ -71,7 +71,19 @@ def __dir__():
 
 # Enabling at import lets a program use pymemplan without changing its code, and runs
 # before the program can initialize CUDA, after which PyTorch cannot swap allocators.
-if _os.environ.get("PYMEMPLAN_ENABLE") == "1":
+_ENABLE = _os.environ.get("PYMEMPLAN_ENABLE", "").strip()
+if _ENABLE.lower() in ("1", "true", "yes", "on"):
     from .allocator._enable import enable_from_environment as _enable_from_environment
 
     _enable_from_environment()
+elif _ENABLE.lower() not in ("", "0", "false", "no", "off") or (
+        not _ENABLE and (_os.environ.get("PYMEMPLAN_ALLOC_CONF") or _os.environ.get("PYMEMPLAN_PLANS"))):
+    # A user who set one believes pymemplan is on: say that it is not, and why.
+    import warnings as _warnings
+
+    _warnings.warn(
+        (f"PYMEMPLAN_ENABLE={_ENABLE!r} is neither on (1, true, yes, on) nor off (0, false, no, "
+         "off)" if _ENABLE else "PYMEMPLAN_ALLOC_CONF or PYMEMPLAN_PLANS is set, but not "
+         "PYMEMPLAN_ENABLE") + ": pymemplan is not PyTorch's allocator in this process. Set "
+        "PYMEMPLAN_ENABLE=1, or call pymemplan.enable() before CUDA is used.",
+        RuntimeWarning, stacklevel=2)

@@ -253,6 +253,20 @@ def test_enable_from_the_environment():
     assert json.loads(out.stdout) == [
         True, {"policy": "torch", "max_split_size_mb": "256", "oom_action": "null"}]
 
+    # The usual spellings of yes; anything else set, or a config without it, is said to do nothing.
+    code = "import warnings; warnings.simplefilter('always'); import pymemplan; print(pymemplan.is_enabled())"
+    for on in ("true", " Yes", "ON"):
+        assert run(code, PYMEMPLAN_ENABLE=on).stdout.split() == ["True"], on
+    for off in ("0", "false", ""):
+        r = run(code, PYMEMPLAN_ENABLE=off)
+        assert r.stdout.split() == ["False"] and "RuntimeWarning" not in r.stderr, (off, r.stderr)
+    for env in ({"PYMEMPLAN_ENABLE": "enabled"}, {"PYMEMPLAN_ALLOC_CONF": "policy:pymemplan-vmm"},
+                {"PYMEMPLAN_PLANS": "plans.txt"}):
+        r = run(code, **env)
+        assert r.stdout.split() == ["False"], env
+        assert "RuntimeWarning" in r.stderr and "not PyTorch's allocator" in r.stderr, (env, r.stderr)
+        assert "PYMEMPLAN_ENABLE=1" in r.stderr, r.stderr
+
     bad = run("import pymemplan", check=False, PYMEMPLAN_ENABLE="1",
               PYMEMPLAN_ALLOC_CONF="max_split_size_mb:256,bogus:1")
     assert bad.returncode != 0
@@ -332,7 +346,9 @@ def test_mark_step_reaches_the_planned_plugin_and_is_a_no_op_when_not_enabled():
             calls.append(pymemplan.memory_stats()["num_device_alloc"])
         # From the plan on, the steps need no new memory from the driver.
         assert calls[-1] == calls[-2] == calls[-3], calls
-        assert lib.pymemplan_mark_step(0) == 0 and lib.pymemplan_mark_step(5) == 0
+        assert lib.pymemplan_mark_step(0) == 0
+        assert lib.pymemplan_mark_step(5) == -1  # the driver has one device
+        assert "CUDA device 5 does not exist" in pymemplan.last_error(), pymemplan.last_error()
     """, PYMEMPLAN_LIBCUDA=fake_driver_path(), FAKECUDA_CAPACITY="4GiB")
 
 
@@ -632,19 +648,28 @@ def test_the_plugin_records_its_allocation_history_for_pymemplan_explain(tmp_pat
         lib = _library.load()
         from pymemplan.traces import explain_snapshot
         lib.pymemplan_alloc(MiB, 0, None)  # before recording: not in the history
-        pymemplan.record_memory_history(max_entries=5)
+        pymemplan.record_memory_history(max_entries=11)
         a, b, c = (lib.pymemplan_alloc(n * MiB, 0, None) for n in (3, 5, 7))
         lib.pymemplan_free(b, 5 * MiB, 0, None)
         assert not lib.pymemplan_alloc(60 * MiB, 0, None)  # over the 64 MiB device
         trace = pymemplan.snapshot(0)["device_traces"][0]
-        assert [e["action"] for e in trace] == ["alloc", "alloc", "alloc", "free_completed", "oom"]
-        assert [e["size"] for e in trace] == [3 * MiB, 5 * MiB, 7 * MiB, 5 * MiB, 60 * MiB]
-        assert trace[1]["addr"] == trace[3]["addr"] == b and trace[0]["addr"] == a
-        assert trace[4]["device_free"] == 64 * MiB - pymemplan.memory_reserved(0)
+        # PyTorch's actions: the pages each request mapped (a page move, unmapped there and
+        # mapped here, where the pool reclaims), and a free requested, then completed.
+        actions = [e["action"] for e in trace]
+        assert [x for x in actions if not x.startswith("segment_")] == \
+            ["alloc", "alloc", "alloc", "free_requested", "free_completed", "oom"], actions
+        assert actions[:2] == ["segment_map", "alloc"] and "segment_map" in actions[2:4]
+        ours = [e for e in trace if not e["action"].startswith("segment_")]
+        assert [e["size"] for e in ours] == [3 * MiB, 5 * MiB, 7 * MiB, 5 * MiB, 5 * MiB, 60 * MiB]
+        assert ours[1]["addr"] == ours[3]["addr"] == ours[4]["addr"] == b and ours[0]["addr"] == a
+        assert ours[5]["device_free"] == 64 * MiB - pymemplan.memory_reserved(0)
+        mapped = sum(e["size"] * (1 if e["action"] == "segment_map" else -1)
+                     for e in trace if e["action"] in ("segment_map", "segment_unmap"))
+        assert mapped == pymemplan.memory_reserved(0) - 2 * MiB  # the first 1 MiB's page before
         assert [e["time_us"] for e in trace] == sorted(e["time_us"] for e in trace)
-        lib.pymemplan_free(c, 7 * MiB, 0, None)  # the oldest entry goes
-        assert [e["action"] for e in pymemplan.snapshot(0)["device_traces"][0]][0] == "alloc"
-        assert len(pymemplan.snapshot(0)["device_traces"][0]) == 5
+        lib.pymemplan_free(c, 7 * MiB, 0, None)  # the oldest entries go
+        assert len(pymemplan.snapshot(0)["device_traces"][0]) == 11
+        assert pymemplan.snapshot(0)["device_traces"][0][-1]["action"] == "free_completed"
         snap = pymemplan.snapshot(0)
         assert snap["allocator_settings"]["pymemplan_policy"].startswith("pymemplan-vmm=")
         # Only the mapped pages of the virtual segment are reserved memory.
@@ -812,3 +837,105 @@ def test_cupy_allocates_from_the_pool():
         del mp
         assert list(pymemplan.cupy._streams) == [alive().ptr]
     """)
+
+
+def test_an_oom_records_what_the_driver_has_free_not_what_pymemplan_does_not_hold():
+    # The CUDA context, NCCL's buffers and other processes hold device memory too: counted
+    # as free, `pymemplan explain` would judge allocators on memory the program never had,
+    # and say that the allocator that just failed fits.
+    run_fake("""
+        from pymemplan.traces import explain_snapshot
+        configure(policy="pymemplan", oom_action="null")
+        pymemplan.record_memory_history(1000)
+        assert lib.pymemplan_alloc(100 * MiB, 0, None)
+        ctx, other = ctypes.c_void_p(), ctypes.c_void_p()
+        assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert fake.cuCtxSetCurrent(ctx) == 0
+        assert fake.cuMemAlloc_v2(ctypes.byref(other), ctypes.c_size_t(80 * MiB)) == 0
+        assert not lib.pymemplan_alloc(100 * MiB, 0, None)  # 56 MiB are free
+        oom = [e for e in pymemplan.snapshot(0)["device_traces"][0] if e["action"] == "oom"][-1]
+        assert oom["device_free"] == 256 * MiB - fake.fakecuda_bytes_in_use(0) == 76 * MiB
+        fit = explain_snapshot(pymemplan.snapshot(0), compare=True).fit
+        assert fit.capacity_bytes == pymemplan.memory_reserved(0) + 76 * MiB < 256 * MiB
+        assert not any(r.fits for r in fit.rows), [(r.policy, r.fits, r.peak_reserved_bytes) for r in fit.rows]
+    """, FAKECUDA_CAPACITY="256MiB")
+
+
+def test_a_virtual_segment_is_one_snapshot_segment_per_run_of_mapped_pages():
+    # As PyTorch reports its expandable segments: the segments' sizes add up to the memory
+    # reserved, not to the address space reserved, in PyTorch's viewer as in `explain`.
+    run_fake("""
+        import pickle
+        from torch.cuda import _memory_viz
+        from pymemplan.traces import explain_snapshot
+        configure(policy="pymemplan-vmm", oom_action="null")
+        a, b, c = (lib.pymemplan_alloc(n * MiB, 0, None) for n in (3, 9, 5))
+        lib.pymemplan_free(b, 9 * MiB, 0, None)
+        pymemplan.empty_cache()  # the pages b alone used go back: two runs of mapped pages
+        segs = pymemplan.snapshot(0)["segments"]
+        reserved = pymemplan.memory_reserved(0)
+        assert len(segs) == 2 and sum(s["total_size"] for s in segs) == reserved < 1 << 30
+        for s in segs:  # blocks tile each segment, and the free ones are cut to it
+            at = s["address"]
+            for blk in s["blocks"]:
+                assert blk["address"] == at
+                at += blk["size"]
+            assert at == s["address"] + s["total_size"] == s["address"] + s["mapped_size"]
+            assert s["allocated_size"] == sum(x["size"] for x in s["blocks"]
+                                              if x["state"] == "active_allocated")
+        assert sorted(blk["address"] for s in segs for blk in s["blocks"]
+                      if blk["state"] == "active_allocated") == sorted([a, c])
+        snap = pymemplan.snapshot()
+        assert f"total_reserved: {reserved / MiB:.1f}MiB" in _memory_viz.segsum(snap)
+        assert explain_snapshot(snap).reserved_bytes == reserved
+    """, FAKECUDA_CAPACITY="1GiB")
+
+
+def test_the_history_keeps_the_allocators_order_when_threads_allocate_and_free_at_once():
+    # A free written after another thread was handed the same address would make the
+    # history allocate a live block again, and `explain` would refuse the snapshot.
+    run_fake("""
+        import threading
+        from pymemplan.traces.snapshot import snapshot_trace
+        pymemplan.record_memory_history(200000)
+        def churn():
+            for _ in range(3000):
+                p = lib.pymemplan_alloc(4096, 0, None)
+                lib.pymemplan_free(p, 4096, 0, None)
+        threads = [threading.Thread(target=churn) for _ in range(3)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        snap = pymemplan.snapshot(0)
+        assert len(snap["device_traces"][0]) > 9000
+        snapshot_trace(snap)  # raises where a live pointer is allocated again
+    """)
+
+
+def test_a_free_naming_another_device_frees_the_block_where_it_is():
+    run_fake("""
+        fake.fakecuda_primary_ctx_refcount.argtypes = [ctypes.c_int]
+        p = lib.pymemplan_alloc(MiB, 0, None)
+        lib.pymemplan_free(p, MiB, 1, None)
+        assert pymemplan.memory_allocated(0) == 0
+        assert fake.fakecuda_primary_ctx_refcount(1) == 0  # no allocator made on device 1
+    """, FAKECUDA_DEVICE_COUNT="2")
+
+
+def test_calls_naming_a_device_the_driver_lacks_fail_and_a_fraction_of_zero_allows_nothing():
+    run_fake("""
+        assert lib.pymemplan_alloc(MiB, 0, None)
+        for name in ("reset_peak_stats", "reset_accumulated_stats", "empty_cache", "mark_step"):
+            for device in (7, 100):
+                assert getattr(lib, "pymemplan_" + name)(device) == -1, (name, device)
+                assert "device" in pymemplan.last_error(), pymemplan.last_error()
+        assert lib.pymemplan_empty_cache(-1) == 0 and lib.pymemplan_mark_step(1) == 0
+        try:
+            pymemplan.reset_peak_memory_stats(7)
+        except Exception as e:
+            assert "CUDA device 7 does not exist (the driver reports 2 devices)" in str(e), e
+        else:
+            raise AssertionError("reset_peak_memory_stats(7) passed")
+        lib.pymemplan_memory_fraction(0.0, 0)  # PyTorch accepts 0: nothing more may be had
+        assert not lib.pymemplan_alloc(2 * MiB, 0, None)
+        assert "limit" in pymemplan.last_error(), pymemplan.last_error()
+    """, FAKECUDA_DEVICE_COUNT="2")

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -48,11 +49,13 @@ inline std::size_t checked_request_size(std::int64_t size) {
 // The memory limit set_memory_fraction(fraction) sets on a device of `capacity` bytes;
 // throws AllocatorError for a fraction outside (0, 1].
 inline std::size_t limit_for_fraction(double fraction, std::size_t capacity) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw AllocatorError("invalid memory fraction " + std::to_string(fraction) +
-                         ": expected a number in (0, 1]");
+                         ": expected a number in [0, 1], as torch.cuda.set_per_process_memory_fraction");
   }
-  return static_cast<std::size_t>(fraction * static_cast<double>(capacity));
+  // A limit of 0 means none: a fraction too small for one byte (0 included) allows nothing,
+  // as it does in PyTorch, rather than everything.
+  return std::max<std::size_t>(1, static_cast<std::size_t>(fraction * static_cast<double>(capacity)));
 }
 
 }  // namespace pymemplan

@@ -137,6 +137,14 @@ bool CudaDevice::stream_capturing(StreamId stream) {
   return r == CUDA_SUCCESS && status != 0;  // an invalidated capture has not ended either
 }
 
+std::size_t CudaDevice::free_memory() const {
+  if (driver_.cuMemGetInfo == nullptr) return 0;
+  InContext in(*this);
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (driver_.cuMemGetInfo(&free_bytes, &total_bytes) != CUDA_SUCCESS) return 0;
+  return free_bytes;
+}
+
 void CudaDevice::record_event(EventHandle event, StreamId stream) {
   // Recorded into a capture, the event would mark a node of the graph, and querying it
   // would fail (CUDA_ERROR_CAPTURED_EVENT) until recorded again: the allocator would wait on

@@ -50,6 +50,9 @@ class CudaDevice : public Device {
   void copy(void* dst, const void* src, std::size_t bytes) override;
 
   int ordinal() const { return ordinal_; }
+  // What the driver reports free on the device now (cuMemGetInfo), whoever holds the rest:
+  // this allocator, the CUDA context, NCCL, other processes. 0 where it cannot say.
+  std::size_t free_memory() const;
   // Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing; false where the driver
   // cannot say). An event recorded there would be a node of the graph, not a point in the
   // stream's work: record_event defers it until the capture has ended.

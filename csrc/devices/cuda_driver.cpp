@@ -72,6 +72,7 @@ Driver load() {
   resolve(lib, gpa, d.cuGetErrorName, "cuGetErrorName", "cuGetErrorName", path);
   resolve_optional(lib, gpa, d.cuDeviceGetAttribute, "cuDeviceGetAttribute", "cuDeviceGetAttribute");
   resolve_optional(lib, gpa, d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", "cuDeviceCanAccessPeer");
+  resolve_optional(lib, gpa, d.cuMemGetInfo, "cuMemGetInfo", "cuMemGetInfo_v2");
   resolve_optional(lib, gpa, d.cuStreamGetCtx, "cuStreamGetCtx", "cuStreamGetCtx");
   resolve_optional(lib, gpa, d.cuStreamIsCapturing, "cuStreamIsCapturing", "cuStreamIsCapturing");
   resolve_optional(lib, gpa, d.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",

@@ -74,6 +74,8 @@ struct Driver {
   // has the calls, and no peer gets access to its pages.
   CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice) = nullptr;
   CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
+  // Optional: without it the memory a device has free is not known (0 is reported).
+  CUresult (*cuMemGetInfo)(std::size_t*, std::size_t*) = nullptr;
   // Optional: without it every stream counts as one of the device's own context.
   CUresult (*cuStreamGetCtx)(CUstream, CUcontext*) = nullptr;
   // Optional (CUDA 10+): without it no stream counts as capturing a CUDA graph.

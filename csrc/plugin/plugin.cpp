@@ -38,7 +38,9 @@ struct PluginConfig {
 // One action of the allocation history (pymemplan_record_history), as PyTorch's
 // torch.cuda.memory._record_memory_history() keeps its TraceEntry.
 struct HistoryEntry {
-  const char* action;  // "alloc", "free_completed", "oom"
+  // "alloc", "free_requested", "free_completed", "oom", "segment_alloc", "segment_free",
+  // "segment_map", "segment_unmap"
+  const char* action;
   std::uintptr_t addr;  // "oom": free device memory (PyTorch's device_free)
   std::int64_t size;    // bytes requested
   std::uintptr_t stream;
@@ -50,6 +52,9 @@ struct History {
   std::mutex mutex;
   std::size_t max = 0;
   std::deque<HistoryEntry> entries;
+  // Held by an allocation or a free, with its entries, while the history is recorded: see
+  // InHistoryOrder.
+  std::mutex order;
 };
 
 struct Plugin {
@@ -91,6 +96,63 @@ void record(int device, const char* action, std::uintptr_t addr, std::int64_t si
   if (h.entries.size() == h.max) h.entries.pop_front();
   h.entries.push_back({action, addr, size, stream, static_cast<std::int64_t>(now)});
 }
+
+// The device's own segments and page mappings, recorded as PyTorch records them
+// (segment_alloc and segment_free; segment_map and segment_unmap for virtual memory, one per
+// run of pages), so that its viewer can rebuild the segments of any moment of the history
+// and `pymemplan explain` knows what was reserved at an out-of-memory error.
+class HistoryDevice final : public CudaDevice {
+ public:
+  using CudaDevice::CudaDevice;
+  void* allocate_segment(std::size_t bytes) override {
+    void* p = CudaDevice::allocate_segment(bytes);
+    if (p != nullptr) note("segment_alloc", p, bytes);
+    return p;
+  }
+  void free_segment(void* ptr, std::size_t bytes) override {
+    CudaDevice::free_segment(ptr, bytes);
+    note("segment_free", ptr, bytes);
+  }
+  void map_page(void* addr, PageHandle page) override {
+    CudaDevice::map_page(addr, page);
+    note("segment_map", addr, granularity());
+  }
+  void unmap_page(void* addr) override {
+    CudaDevice::unmap_page(addr);
+    note("segment_unmap", addr, granularity());
+  }
+  void map_pages(void* addr, const PageHandle* pages, std::size_t n) override {
+    CudaDevice::map_pages(addr, pages, n);
+    note("segment_map", addr, n * granularity());
+  }
+  void unmap_pages(void* addr, std::size_t n) override {
+    CudaDevice::unmap_pages(addr, n);
+    note("segment_unmap", addr, n * granularity());
+  }
+
+ private:
+  void note(const char* action, void* addr, std::size_t bytes) {
+    record(ordinal(), action, reinterpret_cast<std::uintptr_t>(addr), static_cast<std::int64_t>(bytes), 0);
+  }
+};
+
+// While a device's history is recorded, each allocation and free on it runs with its entries
+// one at a time: otherwise a free could be written after another thread was already handed
+// the same address, and the history would allocate a live block again (which `pymemplan
+// explain` and PyTorch's viewer refuse). Taken before the allocator's own lock, never inside
+// it; the cost is paid only while recording.
+class InHistoryOrder {
+ public:
+  explicit InHistoryOrder(int device) {
+    if (device < 0 || device >= kMaxDevices) return;
+    Plugin& p = plugin();
+    if (!p.recording[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) return;
+    lock_ = std::unique_lock<std::mutex>(p.history[static_cast<std::size_t>(device)].order);
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
 
 // Never destroyed: frees during thread or process teardown (a tensor held by a thread-local
 // or a static) may fail after thread-locals with destructors are gone.
@@ -197,7 +259,7 @@ Allocator& allocator_for(int device) {
   std::lock_guard<std::mutex> lock(p.mutex);
   a = p.allocators[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
   if (a == nullptr) {
-    auto cuda = std::make_shared<CudaDevice>(device);
+    auto cuda = std::make_shared<HistoryDevice>(device);
     CudaDevice* dev = cuda.get();
     a = make_allocator(std::move(cuda), p.config.policy, p.config.config)
             .release();  // owned by the plugin until exit, and its device with it
@@ -224,6 +286,28 @@ Allocator& allocator_for(int device) {
 Allocator* existing_allocator(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   return plugin().allocators[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+}
+
+// A device index a caller names: -1 (every device) where `every` allows it, else one the
+// driver has. A device with an allocator exists; another is checked against the driver,
+// where it loads (without one there is no allocator to act on).
+void check_device(int device, bool every) {
+  if (every && device == -1) return;
+  if (device < 0 || device >= kMaxDevices) {
+    throw DeviceError("invalid CUDA device index " + std::to_string(device));
+  }
+  if (existing_allocator(device) != nullptr) return;
+  int count = 0;
+  try {
+    const cuda::Driver& d = cuda::Driver::get();
+    d.check(d.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  } catch (const DeviceError&) {
+    return;
+  }
+  if (device >= count) {
+    throw DeviceError("CUDA device " + std::to_string(device) + " does not exist (the driver reports " +
+                      std::to_string(count) + " device" + (count == 1 ? "" : "s") + ")");
+  }
 }
 
 PlannedAllocator& planned(Allocator& a, const char* what) {
@@ -320,6 +404,7 @@ void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
   try {
     Allocator& a = allocator_for(device);
     InFlight in_flight(device);
+    InHistoryOrder in_order(device);
     if (plugin().devices[static_cast<std::size_t>(device)].load(std::memory_order_acquire)
             ->stream_capturing(reinterpret_cast<StreamId>(stream))) {
       set_error(kCaptureRefused);
@@ -333,11 +418,11 @@ void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
       // PyTorch's words too: batch-size finders (Accelerate's find_executable_batch_size,
       // Lightning's tuner) tell an OOM from other RuntimeErrors by them.
       set_error(allocator_for(device).last_error() + kTorchOomWords);
-      // What the device has left for this allocator, as PyTorch's device_free says it.
-      const auto held = static_cast<std::size_t>(std::max<std::int64_t>(a.reserved_bytes(), 0));
-      const std::size_t capacity =
-          plugin().devices[static_cast<std::size_t>(device)].load(std::memory_order_acquire)->capacity();
-      record(device, "oom", capacity > held ? capacity - held : 0, size, s);
+      // What the driver reports free, as PyTorch's device_free: the CUDA context, NCCL's
+      // buffers and other processes hold memory this allocator does not.
+      record(device, "oom",
+             plugin().devices[static_cast<std::size_t>(device)].load(std::memory_order_acquire)->free_memory(),
+             size, s);
     }
     return p;
   } catch (const std::exception& e) {
@@ -360,13 +445,35 @@ void* pymemplan_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
 
 void pymemplan_free(void* ptr, ssize_t size, int device, pymemplan_stream_t stream) {
   if (ptr == nullptr) return;
-  if (guarded([&] { allocator_for(device).free(ptr); }) != 0) {
-    // Nobody can receive an error from a deleter; say it where a user will see it.
-    std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
-    return;
-  }
-  record(device, "free_completed", reinterpret_cast<std::uintptr_t>(ptr), size,
-         reinterpret_cast<std::uintptr_t>(stream));
+  const int rc = guarded([&] {
+    // PyTorch names the device the tensor was made on; a block of another device (a caller's
+    // mistake) is found where it is, without making an allocator for the device named.
+    // Where no allocator owns it, the named device's says what is wrong (inside a block,
+    // freed already).
+    Allocator* a = existing_allocator(device);
+    if (a == nullptr || !a->owns(ptr)) {
+      for (int d = 0; d < kMaxDevices; ++d) {
+        Allocator* other = existing_allocator(d);
+        if (d != device && other != nullptr && other->owns(ptr)) {
+          a = other, device = d;
+          break;
+        }
+      }
+    }
+    if (a == nullptr) {
+      throw AllocatorError("free of pointer " + to_hex(reinterpret_cast<std::uintptr_t>(ptr)) +
+                           " that pymemplan did not allocate (device " + std::to_string(device) + ")");
+    }
+    InHistoryOrder in_order(device);
+    a->free(ptr);
+    // Both, as PyTorch writes them: its viewer pairs an allocation with its free_requested.
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    const auto s = reinterpret_cast<std::uintptr_t>(stream);
+    record(device, "free_requested", p, size, s);
+    record(device, "free_completed", p, size, s);
+  });
+  // Nobody can receive an error from a deleter; say it where a user will see it.
+  if (rc != 0) std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
 }
 
 void pymemplan_init(int) {}  // allocators are created per device on first use
@@ -471,12 +578,14 @@ long pymemplan_snapshot_json(int device, char* buf, std::size_t len) {
 
 int pymemplan_reset_peak_stats(int device) {
   return guarded([&] {
+    check_device(device, false);
     if (Allocator* a = existing_allocator(device)) a->reset_peak_stats();
   });
 }
 
 int pymemplan_reset_accumulated_stats(int device) {
   return guarded([&] {
+    check_device(device, false);
     if (Allocator* a = existing_allocator(device)) a->reset_accumulated_stats();
   });
 }
@@ -487,6 +596,7 @@ int pymemplan_set_memory_limit(int device, std::size_t bytes) {
 
 int pymemplan_empty_cache(int device) {
   return guarded([&] {
+    check_device(device, true);
     for (int d = 0; d < kMaxDevices; ++d) {
       if (device >= 0 && d != device) continue;
       if (Allocator* a = existing_allocator(d)) a->empty_cache();
@@ -496,6 +606,7 @@ int pymemplan_empty_cache(int device) {
 
 int pymemplan_mark_step(int device) {
   return guarded([&] {
+    check_device(device, true);
     for (int d = 0; d < kMaxDevices; ++d) {
       if (device >= 0 && d != device) continue;
       if (Allocator* a = existing_allocator(d)) a->mark_step();
@@ -506,6 +617,7 @@ int pymemplan_mark_step(int device) {
 int pymemplan_share_pages(int device, std::size_t* given_back) {
   std::size_t total = 0;
   const int rc = guarded([&] {
+    check_device(device, true);
     for (int d = 0; d < kMaxDevices; ++d) {
       if (device >= 0 && d != device) continue;
       if (Allocator* a = existing_allocator(d)) total += a->share_pages();

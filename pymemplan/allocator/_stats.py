@@ -222,6 +222,48 @@ def last_error() -> str:
     return _library.last_error()
 
 
+def mapped_ranges(segment: dict[str, Any]) -> list[dict[str, Any]]:
+    """A segment as PyTorch's snapshot has it. A virtual segment (its pages mapped on
+    demand) becomes one segment per run of mapped pages, as PyTorch reports its expandable
+    segments, so that the sizes of a snapshot's segments add up to the memory reserved (in
+    ``torch.cuda._memory_viz`` and at pytorch.org/memory_viz) rather than to the address
+    space; free blocks are cut to the run. Each keeps its pages' flags (``page_mapped``, all
+    true, and ``page_aliased``: a page another address holds too, counted once, there, in
+    ``mapped_size``) for `pymemplan explain`. A segment of whole memory is returned as it is."""
+    mapped = segment.get("page_mapped")
+    if not mapped:
+        return [segment] if mapped is None else []
+    page, base = segment["page_size"], segment["address"]
+    aliased = segment.get("page_aliased") or [False] * len(mapped)
+    out, k = [], 0
+    while k < len(mapped):
+        if not mapped[k]:
+            k += 1
+            continue
+        end = k
+        while end < len(mapped) and mapped[end]:
+            end += 1
+        lo, hi = base + k * page, base + end * page
+        blocks = []
+        for b in segment["blocks"]:
+            start, stop = max(b["address"], lo), min(b["address"] + b["size"], hi)
+            if start >= stop:
+                continue
+            cut = dict(b, address=start, size=stop - start)
+            if (start, stop) != (b["address"], b["address"] + b["size"]):
+                cut["requested_size"] = 0  # only free blocks reach past mapped pages
+            blocks.append(cut)
+        flags = aliased[k:end]
+        out.append(dict(
+            segment, address=lo, total_size=hi - lo, page_mapped=[True] * (end - k),
+            page_aliased=flags, mapped_size=(end - k - sum(flags)) * page, blocks=blocks,
+            allocated_size=sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+            active_size=sum(b["size"] for b in blocks if b["state"].startswith("active")),
+            requested_size=sum(b["requested_size"] for b in blocks)))
+        k = end
+    return out
+
+
 def snapshot(device: Any = None) -> dict[str, Any]:
     """The allocator's segments and blocks, in torch.cuda.memory._snapshot() shape.
 
@@ -239,7 +281,7 @@ def snapshot(device: Any = None) -> dict[str, Any]:
         policy = part.get("policy") or policy
         for segment in part["segments"]:
             segment["device"] = index
-            segments.append(segment)
+            segments.extend(mapped_ranges(segment))
         traces[index] = _library.read_json(lib.pymemplan_history_json, index,
                                            f"history(device={index})")
     return {"segments": segments, "device_traces": traces,
