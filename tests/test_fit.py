@@ -270,18 +270,11 @@ def test_the_recorded_allocator_starts_from_the_layout_the_snapshot_had(keep):
 def test_only_the_recorded_allocators_row_is_called_the_recorded_allocator(tmp_path, capsys):
     """A run under PyTorch's allocator, its 100 MiB request failed; replayed under the policies
     asked for, on 1 GiB. The recorded allocator is PyTorch's whichever row comes first."""
-    base = 0x2000000
-    seg = {"device": 0, "address": base, "total_size": 20 * MiB, "stream": 0,
-           "segment_type": "large", "is_expandable": False, "frames": [],
-           "blocks": [{"address": base, "size": 5 * MiB, "requested_size": 5 * MiB,
-                       "state": "active_allocated", "frames": []},
-                      {"address": base + 5 * MiB, "size": 15 * MiB, "requested_size": 0,
-                       "state": "inactive", "frames": []}]}
-    history = [{"action": "alloc", "addr": base, "size": 5 * MiB, "stream": 0, "time_us": 1},
-               {"action": "oom", "device_free": 10 * MiB, "size": 100 * MiB, "stream": 0,
-                "time_us": 2}]
-    snap = {"segments": [seg], "device_traces": [history],
-            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}}
+    from test_explain import BASE, _snapshot_with_history
+
+    snap = _snapshot_with_history(
+        [{"action": "alloc", "addr": BASE, "size": 5 * MiB, "stream": 0, "time_us": 1},
+         {"action": "oom", "device_free": 10 * MiB, "size": 100 * MiB, "stream": 0, "time_us": 2}])
     fit = snapshot_fit(snap, capacity="1GiB", policies=["pymemplan-vmm", "pymemplan"])
     assert all(r.fits for r in fit.rows)
     assert not any("recorded allocator" in n for n in fit.notes), fit.notes

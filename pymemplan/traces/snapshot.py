@@ -93,12 +93,7 @@ def checked_segments(snap, where: str = "snapshot") -> dict:
             f"torch.cuda.memory._dump_snapshot(path) or pymemplan.save_snapshot(path)")
     for k, seg in enumerate(snap["segments"]):
         at = f"{where}: segment {k}"
-        if not isinstance(seg, dict):
-            raise TraceError(f"{at} is a {type(seg).__name__}, expected a dict (with 'address', "
-                             f"'total_size' and 'blocks')")
-        _check(seg, "address", at, _is_count, "an integer >= 0")
-        _check(seg, "total_size", at, _is_count, "an integer >= 0")
-        _check(seg, "blocks", at, lambda v: isinstance(v, list), "a list of its blocks")
+        _check_fields(seg, at, _SEGMENT_FIELDS)
         if "device" in seg:
             _check(seg, "device", at, _is_count, "a device index")
         paged = "page_mapped" in seg  # pymemplan's virtual segments: memory is per page
@@ -114,13 +109,7 @@ def checked_segments(snap, where: str = "snapshot") -> dict:
             end = seg["address"] + len(seg["page_mapped"]) * seg["page_size"]
         for j, b in enumerate(seg["blocks"]):
             bat = f"{at}, block {j}"
-            if not isinstance(b, dict):
-                raise TraceError(f"{bat} is a {type(b).__name__}, expected a dict (with "
-                                 f"'address', 'size' and 'state')")
-            _check(b, "address", bat, _is_count, "an integer >= 0")
-            _check(b, "size", bat, _is_count, "an integer >= 0")
-            _check(b, "state", bat, lambda v: isinstance(v, str),
-                   "a string such as 'active_allocated'")
+            _check_fields(b, bat, _BLOCK_FIELDS)
             if b.get("requested_size") is not None:
                 _check(b, "requested_size", bat, _is_count, "an integer >= 0")
             frames = b.get("frames")
@@ -137,6 +126,23 @@ def checked_segments(snap, where: str = "snapshot") -> dict:
 
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# What reading a segment and a block needs: (key, test, what is expected).
+_SEGMENT_FIELDS = (("address", _is_count, "an integer >= 0"),
+                   ("total_size", _is_count, "an integer >= 0"),
+                   ("blocks", lambda v: isinstance(v, list), "a list of its blocks"))
+_BLOCK_FIELDS = (("address", _is_count, "an integer >= 0"),
+                 ("size", _is_count, "an integer >= 0"),
+                 ("state", lambda v: isinstance(v, str), "a string such as 'active_allocated'"))
+
+
+def _check_fields(d, at: str, fields) -> None:
+    if not isinstance(d, dict):
+        keys = ", ".join(repr(k) for k, _, _ in fields[:-1]) + f" and {fields[-1][0]!r}"
+        raise TraceError(f"{at} is a {type(d).__name__}, expected a dict (with {keys})")
+    for key, ok, expected in fields:
+        _check(d, key, at, ok, expected)
 
 
 def _check(d: dict, key: str, at: str, ok, expected: str) -> None:
