@@ -939,3 +939,31 @@ def test_calls_naming_a_device_the_driver_lacks_fail_and_a_fraction_of_zero_allo
         assert not lib.pymemplan_alloc(2 * MiB, 0, None)
         assert "limit" in pymemplan.last_error(), pymemplan.last_error()
     """, FAKECUDA_DEVICE_COUNT="2")
+
+
+def test_a_free_that_waits_on_another_streams_work_completes_in_the_history_when_its_block_can_be_reused():
+    # PyTorch writes free_completed when the block returns to the pool: a replay of the
+    # history (`pymemplan explain`) must not reuse it earlier than the allocator could.
+    run_fake("""
+        from pymemplan.traces.snapshot import snapshot_trace
+        lib.pymemplan_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fake.fakecuda_complete_stream.argtypes = [ctypes.c_void_p]
+        fake.fakecuda_set_manual_events(1)
+        s0, s1 = ctypes.c_void_p(0x10), ctypes.c_void_p(0x20)
+        pymemplan.record_memory_history(1000)
+        p = lib.pymemplan_alloc(16 * MiB, 0, s0)
+        lib.pymemplan_record_stream(p, s1)
+        lib.pymemplan_free(p, 16 * MiB, 0, s0)
+        q = lib.pymemplan_alloc(16 * MiB, 0, s0)  # p is not done with on s1
+        def ours():
+            return [(e["action"], e["addr"]) for e in pymemplan.snapshot(0)["device_traces"][0]
+                    if not e["action"].startswith("segment_")]
+        assert ours() == [("alloc", p), ("free_requested", p), ("alloc", q)], ours()
+        fake.fakecuda_complete_stream(s1)
+        r = lib.pymemplan_alloc(16 * MiB, 0, s0)
+        assert r == p  # reused once its event completed: completed first in the history
+        assert ours()[3:] == [("free_completed", p), ("alloc", p)], ours()
+        snapshot_trace(pymemplan.snapshot(0))  # a history its readers accept
+        lib.pymemplan_free(q, 16 * MiB, 0, s0)  # no other stream: completed at once
+        assert ours()[-2:] == [("free_requested", q), ("free_completed", q)], ours()
+    """)

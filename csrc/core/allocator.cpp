@@ -296,6 +296,12 @@ bool CachingAllocator::owns(const void* ptr) const {
   return it != allocated_.end() && it->second->allocated;
 }
 
+bool CachingAllocator::free_pending(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  return it != allocated_.end() && !it->second->allocated;  // freed, its events not done
+}
+
 void CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   // torch: emptyCache() -> release_cached_blocks(): synchronize outstanding events first so

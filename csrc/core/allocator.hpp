@@ -77,6 +77,7 @@ class CachingAllocator : public LockedAllocator {
   void record_stream(void* ptr, StreamId stream) override;
   // Whether `ptr` is a live allocation of this allocator.
   bool owns(const void* ptr) const override;
+  bool free_pending(const void* ptr) const override;
   // Wait for pending frees, then give every wholly free segment back to the device.
   void empty_cache() override;
 

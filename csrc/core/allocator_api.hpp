@@ -34,6 +34,10 @@ class Allocator {
   virtual void free(void* ptr) = 0;
   virtual void record_stream(void* ptr, StreamId stream) = 0;
   virtual bool owns(const void* ptr) const = 0;
+  // Whether `ptr`, freed, still waits for work queued on other streams (record_stream)
+  // before its block can be handed out again: PyTorch's history writes its free_completed
+  // only then.
+  virtual bool free_pending(const void* ptr) const { (void)ptr; return false; }
   virtual void empty_cache() = 0;
 
   virtual void set_memory_limit(std::size_t bytes) = 0;  // 0: none

@@ -161,6 +161,8 @@ void PlannedAllocator::record_stream(void* ptr, StreamId stream) {
 
 bool PlannedAllocator::owns(const void* ptr) const { return pool_->owns(ptr); }
 
+bool PlannedAllocator::free_pending(const void* ptr) const { return pool_->free_pending(ptr); }
+
 void PlannedAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   pool_->empty_cache();  // pending frees complete first

@@ -202,6 +202,7 @@ class PlannedAllocator : public Allocator {
   void free(void* ptr) override;
   void record_stream(void* ptr, StreamId stream) override;
   bool owns(const void* ptr) const override;
+  bool free_pending(const void* ptr) const override;
   // The pool's empty_cache; an arena with no live block goes back too (a new one is made
   // at the next iteration boundary).
   void empty_cache() override;

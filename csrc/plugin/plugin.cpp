@@ -55,6 +55,8 @@ struct History {
   // Held by an allocation or a free, with its entries, while the history is recorded: see
   // InHistoryOrder.
   std::mutex order;
+  // Frees written as requested whose blocks still wait on other streams' work (under order).
+  std::vector<HistoryEntry> deferred;
 };
 
 struct Plugin {
@@ -143,14 +145,43 @@ class HistoryDevice final : public CudaDevice {
 // it; the cost is paid only while recording.
 class InHistoryOrder {
  public:
-  explicit InHistoryOrder(int device) {
+  explicit InHistoryOrder(int device) : device_(device) {
     if (device < 0 || device >= kMaxDevices) return;
     Plugin& p = plugin();
     if (!p.recording[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) return;
     lock_ = std::unique_lock<std::mutex>(p.history[static_cast<std::size_t>(device)].order);
   }
 
+  // A free, written as requested, and as completed once its block may be handed out again:
+  // at once, or (where it waits on other streams' work) at the first allocation or free
+  // that finds it done, before that call's own entry, so that the history never allocates
+  // a block again before its free completed.
+  void freed(const Allocator& a, std::uintptr_t addr, std::int64_t size, std::uintptr_t stream) {
+    record(device_, "free_requested", addr, size, stream);
+    if (lock_.owns_lock() && a.free_pending(reinterpret_cast<const void*>(addr))) {
+      history().deferred.push_back({"free_completed", addr, size, stream, 0});
+    } else {
+      record(device_, "free_completed", addr, size, stream);
+    }
+  }
+  void settle(const Allocator& a) {
+    if (!lock_.owns_lock()) return;
+    auto& deferred = history().deferred;
+    for (std::size_t i = 0; i < deferred.size();) {
+      const HistoryEntry e = deferred[i];
+      if (a.free_pending(reinterpret_cast<const void*>(e.addr))) {
+        ++i;
+        continue;
+      }
+      record(device_, e.action, e.addr, e.size, e.stream);
+      deferred.erase(deferred.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
  private:
+  History& history() { return plugin().history[static_cast<std::size_t>(device_)]; }
+
+  int device_;
   std::unique_lock<std::mutex> lock_;
 };
 
@@ -411,6 +442,7 @@ void* pymemplan_try_alloc(ssize_t size, int device, pymemplan_stream_t stream) {
       return nullptr;
     }
     void* p = a.try_malloc(static_cast<std::int64_t>(size), reinterpret_cast<StreamId>(stream));
+    in_order.settle(a);
     const auto s = reinterpret_cast<std::uintptr_t>(stream);
     if (p != nullptr) {
       record(device, "alloc", reinterpret_cast<std::uintptr_t>(p), size, s);
@@ -466,11 +498,9 @@ void pymemplan_free(void* ptr, ssize_t size, int device, pymemplan_stream_t stre
     }
     InHistoryOrder in_order(device);
     a->free(ptr);
-    // Both, as PyTorch writes them: its viewer pairs an allocation with its free_requested.
-    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-    const auto s = reinterpret_cast<std::uintptr_t>(stream);
-    record(device, "free_requested", p, size, s);
-    record(device, "free_completed", p, size, s);
+    in_order.settle(*a);
+    // As PyTorch writes them: its viewer pairs an allocation with its free_requested.
+    in_order.freed(*a, reinterpret_cast<std::uintptr_t>(ptr), size, reinterpret_cast<std::uintptr_t>(stream));
   });
   // Nobody can receive an error from a deleter; say it where a user will see it.
   if (rc != 0) std::fprintf(stderr, "pymemplan: %s\n", thread_last_error().c_str());
@@ -599,7 +629,11 @@ int pymemplan_empty_cache(int device) {
     check_device(device, true);
     for (int d = 0; d < kMaxDevices; ++d) {
       if (device >= 0 && d != device) continue;
-      if (Allocator* a = existing_allocator(d)) a->empty_cache();
+      if (Allocator* a = existing_allocator(d)) {
+        InHistoryOrder in_order(d);
+        a->empty_cache();  // waits for the events pending frees wait on
+        in_order.settle(*a);
+      }
     }
   });
 }
@@ -680,6 +714,8 @@ int pymemplan_record_history(int device, size_t max_entries) {
     Plugin& p = plugin();
     for (int d = device < 0 ? 0 : device; d < (device < 0 ? kMaxDevices : device + 1); ++d) {
       History& h = p.history[static_cast<std::size_t>(d)];
+      std::lock_guard<std::mutex> order(h.order);
+      if (max_entries == 0) h.deferred.clear();
       std::lock_guard<std::mutex> lock(h.mutex);
       h.max = max_entries;
       if (max_entries == 0) h.entries.clear();
