@@ -501,3 +501,117 @@ def test_a_lazy_module_not_run_yet_says_to_run_it_once():
     with torch.no_grad():
         model(torch.randn(2, 8))
     assert pymemplan.trace(model, (torch.randn(2, 8),), loss_fn=mean_loss).peak_bytes > 0
+
+
+def test_sparse_parameters_buffers_and_inputs_are_refused_by_name():
+    # Their fake copies would be dense (a sparse tensor's strides are zeros): a GCN's sparse
+    # adjacency was predicted 10 times over what its step takes, without a word.
+    class GCN(nn.Module):
+        def __init__(self, adj):
+            super().__init__()
+            self.register_buffer("adj", adj)
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.sparse.mm(self.adj, self.lin(x))
+
+    n = 64
+    adj = torch.sparse_coo_tensor(torch.randint(0, n, (2, 200)), torch.rand(200), (n, n))
+    with pytest.raises(UntraceableError, match=r"buffer 'adj' is a sparse_coo tensor of shape "
+                                               r"\(64, 64\): the planner does not model sparse"):
+        pymemplan.trace(GCN(adj), (torch.randn(n, 16),), loss_fn=mean_loss, device="cpu")
+    dense = GCN(torch.zeros(n, n))
+    with pytest.raises(UntraceableError, match=r"input '1' is a sparse_csr tensor"):
+        pymemplan.trace(nn.Bilinear(4, 4, 2),
+                        (torch.randn(3, 4), torch.eye(4)[:3].to_sparse_csr()),
+                        loss_fn=mean_loss, device="cpu")
+    assert pymemplan.trace(dense, (torch.randn(n, 16),), loss_fn=mean_loss,
+                           device="cpu").peak_bytes > 0
+
+
+def test_gradient_hooks_on_parameters_are_traced_and_post_accumulate_hooks_refused():
+    from pymemplan.planner.measure import measure_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    x = torch.randn(64, 256)
+    plain = pymemplan.trace(model, (x,), loss_fn=mean_loss, device="cpu").peak_bytes
+    # A hook that replaces each gradient (clipping by hook) makes one more per parameter.
+    for p in model.parameters():
+        p.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    hooked = pymemplan.trace(model, (x,), loss_fn=mean_loss, device="cpu").peak_bytes
+    assert hooked > plain
+    assert hooked == measure_step(model, (x,), loss_fn=mean_loss).peak_bytes
+    # Optimizer-in-backward steps the real parameters: it cannot run on the trace's copies.
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: opts[p].step())
+    with pytest.raises(UntraceableError, match=r"parameter\(s\) 0\.weight have hooks "
+                                               r"registered with register_post_accumulate_grad_hook"):
+        pymemplan.trace(model, (x,), loss_fn=mean_loss, device="cpu")
+
+
+def test_value_reads_in_pytorchs_own_code_name_the_setting_that_makes_them():
+    # BatchNorm's cumulative average reads num_batches_tracked.item(); torch.distributions
+    # validates its arguments' values; unique's size is not a mask's share. Each refusal
+    # says what to change, not only the generic advice.
+    bn = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None))
+    with pytest.raises(UntraceableError, match=r"module '1' needs the value of a tensor\. Asked "
+                                               r"for by library code \(.*batchnorm\.py:\d+, in "
+                                               r"forward\)\. BatchNorm1d\(momentum=None\)"):
+        pymemplan.trace(bn, (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu")
+
+    class VAE(nn.Module):
+        def __init__(self, validate):
+            super().__init__()
+            self.enc, self.validate = nn.Linear(8, 16), validate
+
+        def forward(self, x):
+            mu, logvar = self.enc(x).chunk(2, dim=-1)
+            d = torch.distributions.Normal(mu, logvar.exp(), validate_args=self.validate)
+            return d.rsample()
+
+    with pytest.raises(UntraceableError, match=r"validate_args=False to the distribution"):
+        pymemplan.trace(VAE(True), (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu")
+    assert pymemplan.trace(VAE(False), (torch.randn(4, 8),), loss_fn=mean_loss,
+                           device="cpu").peak_bytes > 0
+
+    class Dedup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 8)
+
+        def forward(self, ids):
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            return self.emb(uniq)[inverse]
+
+    ids = torch.randint(0, 100, (4, 16))
+    with pytest.raises(UntraceableError) as e:
+        pymemplan.trace(Dedup(), (ids,), loss_fn=mean_loss, device="cpu", nonzero_density=0.5)
+    assert "nonzero_density= does not size aten._unique2.default" in str(e.value)
+    assert "pass nonzero_density=" not in str(e.value)
+    with pytest.raises(UntraceableError, match=r"pass nonzero_density="):  # not given: offered
+        pymemplan.trace(Gate("mask"), (torch.randn(4, 8),), loss_fn=mean_loss, device="cpu")
+
+
+def test_a_cuda_autocast_region_the_model_opens_itself_is_said_on_a_cuda_target():
+    # CUDA's autocast cannot be enabled without a GPU: the region ran in full precision on
+    # the trace's CPU tensors, and the prediction was the fp32 step's without a word.
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self.lin(x)
+
+    x = torch.randn(32, 64)
+    with pytest.warns(UserWarning, match=r"opens torch\.autocast\('cuda', \.\.\.\) itself "
+                                         r"\(bfloat16\).*Pass autocast=torch\.bfloat16"):
+        pymemplan.trace(Half(), (x,), loss_fn=mean_loss, device="cuda")
+    with pytest.warns(UserWarning, match=r"traced as the rest of the forward pass, under "
+                                         r"the autocast=torch\.bfloat16"):
+        pymemplan.trace(Half(), (x,), loss_fn=mean_loss, device="cuda", autocast=torch.bfloat16)
+    with warnings.catch_warnings():  # a model that opens none: nothing to say
+        warnings.simplefilter("error", UserWarning)
+        pymemplan.trace(nn.Linear(64, 64), (x,), loss_fn=mean_loss, device="cuda")

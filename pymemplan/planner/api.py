@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from .capture import OUTSIDE, capture
-from .errors import PlannerError
+from .errors import PlannerError, UntraceableError
 from .graph import BEFORE_STEP, CATEGORIES, PHASES, StepGraph, TensorInfo
 from .profile import get_profile
 from .timeline import Timeline, build_timeline, live_at, live_interval
@@ -67,10 +68,13 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
         raise PlannerError("grad_scaler=True traces GradScaler's part of an optimizer step "
                            "(unscale, the inf check, the scaled step): pass optimizer=...")
     _warn_compiled(model)
-    g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
-                autocast=autocast, train=train, progress=progress,
-                probe_limit=_probe_limit() if probe_kernels else 0, grads_present=grads_present,
-                grad_scaler=grad_scaler, nonzero_density=nonzero_density)
+    with _cuda_autocast_noticed(profile) as regions:
+        g = capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                    autocast=autocast, train=train, progress=progress,
+                    probe_limit=_probe_limit() if probe_kernels else 0,
+                    grads_present=grads_present, grad_scaler=grad_scaler,
+                    nonzero_density=nonzero_density)
+    _warn_cuda_autocast(regions, autocast)
     t = MemoryTrace(g)
     # How to trace the same step again (a checkpoint plan is verified that way).
     t._trace_kwargs = dict(loss_fn=loss_fn, optimizer=optimizer, device=device,
@@ -79,6 +83,55 @@ def trace(model, inputs, *, loss_fn=None, optimizer=None, device=None, autocast=
                            nonzero_density=nonzero_density)
     t._traced_with = _remember(model, inputs)
     return t
+
+
+@contextlib.contextmanager
+def _cuda_autocast_noticed(profile):
+    """The autocast regions the model opens for CUDA itself (torch.autocast("cuda", ...),
+    torch.cuda.amp.autocast): on the CPU tensors the planner traces they do nothing, since
+    CUDA's autocast cannot be enabled without a GPU. Collected on a CUDA target, as (dtype,
+    enabled), to be said after the trace."""
+    from torch.amp import autocast_mode
+
+    regions: list = []
+    if not profile.cuda_kernels:
+        yield regions
+        return
+    init = autocast_mode.autocast.__init__
+
+    def noticing(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "cuda":
+            regions.append((dtype, enabled))
+        init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    autocast_mode.autocast.__init__ = noticing
+    try:
+        yield regions
+    finally:
+        autocast_mode.autocast.__init__ = init
+
+
+def _warn_cuda_autocast(regions, autocast) -> None:
+    import warnings
+
+    import torch
+
+    if not regions:
+        return
+    dtypes = sorted({str(d or torch.float16).replace("torch.", "") for d, on in regions if on})
+    if dtypes and autocast is None:
+        warnings.warn(
+            f"the model opens torch.autocast('cuda', ...) itself ({', '.join(dtypes)}): the "
+            f"planner runs the step on CPU tensors, where CUDA's autocast does nothing, so that "
+            f"code was predicted in full precision. Pass autocast=torch.{dtypes[0]} to "
+            f"pymemplan.trace to predict the step under CUDA's autocast (the whole forward "
+            f"pass).", stacklevel=3)
+    elif autocast is not None:
+        warnings.warn(
+            "the model opens torch.autocast('cuda', ...) regions itself: they were traced as "
+            f"the rest of the forward pass, under the autocast={autocast} given to "
+            "pymemplan.trace (a region the model runs in full precision, enabled=False, was "
+            "cast too).", stacklevel=3)
 
 
 def _warn_compiled(model) -> None:
@@ -139,6 +192,8 @@ def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels
     elif not isinstance(inputs, tuple):
         raise PlannerError(f"inputs must be a tuple of positional arguments for the model's "
                            f"forward (or a single tensor), got {type(inputs).__name__}")
+    _refuse_sparse_state(model, inputs)
+    _refuse_post_accumulate_hooks(model)
     if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
         raise PlannerError(f"autocast={autocast!r}: use None, torch.bfloat16 or torch.float16")
     if loss_fn is not None and not callable(loss_fn):
@@ -150,6 +205,43 @@ def check_trace_args(model, inputs, profile, *, autocast, loss_fn, probe_kernels
         raise PlannerError(f"probe_kernels=True needs the target device to run kernels on; "
                            f"it works for device='cpu' only, not {profile.name!r}")
     return inputs, probe_kernels
+
+
+def _refuse_sparse_state(model, inputs) -> None:
+    """Sparse parameters, buffers and inputs: their fake copies would be dense (a sparse
+    tensor's strides are zeros), and the step predicted as if its sparse products were dense
+    ones (a GCN's sparse adjacency 10 times over)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    named = [*(("parameter", n, t) for n, t in model.named_parameters()),
+             *(("buffer", n, t) for n, t in model.named_buffers())]
+    named += [("input", f"{i}", t) for i, t in
+              enumerate(x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor))]
+    for kind, name, t in named:
+        if t.layout != torch.strided:
+            layout = str(t.layout).replace("torch.", "")
+            raise UntraceableError(
+                f"{kind} {name!r} is a {layout} tensor of shape {tuple(t.shape)}: the planner "
+                f"does not model sparse tensors yet, and traced as a dense one the step would be "
+                f"predicted far above what it takes (its products with the sparse tensor as dense "
+                f"ones). Measure such a step on a real run instead.")
+
+
+def _refuse_post_accumulate_hooks(model) -> None:
+    """Hooks that run once a parameter's gradient is accumulated (optimizer-in-backward,
+    gradients freed in backward) step or free the real parameters' state: they cannot run on
+    the trace's fake copies, and left out, the step's memory would be another step's."""
+    hooked = [n for n, p in model.named_parameters()
+              if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        raise UntraceableError(
+            f"parameter(s) {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''} have "
+            f"hooks registered with register_post_accumulate_grad_hook (an optimizer step or a "
+            f"gradient freed in backward): the planner cannot run them, since they act on the "
+            f"real parameters, and without them the step would not be yours. Trace the step "
+            f"with the optimizer passed as optimizer= (its memory with every gradient kept "
+            f"until the step), or measure the hooked step on a real run.")
 
 
 def check_density(density) -> None:

@@ -986,8 +986,20 @@ def _fake_like(t, requires_grad: bool):
     meta device, a GPU, or far larger than this machine's memory."""
     import torch
 
+    if t.layout != torch.strided:  # a sparse tensor's strides are zeros: it would be dense
+        raise UntraceableError(
+            f"a {str(t.layout).replace('torch.', '')} tensor of shape {tuple(t.shape)} is part "
+            f"of the step: the planner does not model sparse tensors yet. Measure such a step "
+            f"on a real run instead.")
     f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
-    return f.requires_grad_(requires_grad) if requires_grad else f
+    if not requires_grad:
+        return f
+    f.requires_grad_(True)
+    # Hooks on the gradient (register_hook: clipping, scaling) run on the fake's, as the
+    # real one's would: what they make is the step's.
+    for hook in (getattr(t, "_backward_hooks", None) or {}).values():
+        f.register_hook(hook)
+    return f
 
 
 def _make_optimizer(optimizer, params: list, fake_of: dict, profile: DeviceProfile):
@@ -1407,9 +1419,16 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
             f"cannot trace the {phase} pass: {where} uses the value of a tensor as a Python "
             f"value ({type(err).__name__}: {err}). {_VALUE_HINT}")
     if value_dependent:
-        # The line of the model's code that asked (the op's own traceback ends in dispatch).
+        # The line of the model's code that asked (the op's own traceback ends in dispatch),
+        # else the line of the library code that did (a torch module's own forward).
         line = _raising_line(exc, _module_at(model, module), own_only=True)
         at = f" Asked for by the model's code{line}." if line else ""
+        if not line and _library_line(exc):
+            at = f" Asked for by library code{_library_line(exc)}."
+        known = _known_value_cause(exc, _module_at(model, module))
+        if known:
+            return UntraceableError(f"cannot trace the {phase} pass: op {op} in {where} needs "
+                                    f"the value of a tensor.{at} {known}")
         if op == "aten._pack_padded_sequence.default":
             return UntraceableError(
                 f"cannot trace the {phase} pass: {where} packs a padded batch "
@@ -1419,7 +1438,7 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
                 f"batch (its memory is the padded batch's, an upper bound) to trace it.")
         return UntraceableError(
             f"cannot trace the {phase} pass: op {op} in {where} needs the value of a tensor "
-            f"({type(err).__name__}: {err}).{at} {_VALUE_HINT}")
+            f"({type(err).__name__}: {err}).{at} {_value_hint(op, rec.nonzero_density)}")
     if phase == FORWARD and op is not None:
         return UntraceableError(
             f"the forward pass failed at op {op} in {where}, on operands of shapes {shapes}: "
@@ -1436,6 +1455,62 @@ def _untraceable(rec: _Recorder, exc: Exception, model, args) -> UntraceableErro
                                 f"{line}: {type(err).__name__}: {err}")
     return UntraceableError(f"the {phase} pass failed at {at}{where}{line}: "
                             f"{type(err).__name__}: {err}")
+
+
+# Ops trace(nonzero_density=) sizes (_at_density): a mask's true elements.
+_DENSITY_OPS = ("aten.nonzero", "aten.argwhere", "aten.masked_select", "aten.index.Tensor",
+                "aten.index_put", "aten._index_put_impl_")
+
+
+def _value_hint(op: str | None, density) -> str:
+    """What to do about an op that needs a tensor's value: nonzero_density= where it sizes
+    that op and was not given, else the general advice alone."""
+    if op is None or op.startswith("aten._local_scalar_dense") or op.startswith(_DENSITY_OPS):
+        if density is None or op is None or not op.startswith(_DENSITY_OPS):
+            return _VALUE_HINT
+    general = _VALUE_HINT[:_VALUE_HINT.index(" For `torch.nonzero`")]
+    return (f"{general} nonzero_density= does not size {op}: its output's size depends on the "
+            f"values themselves (how many are distinct, their counts or repeats), not on a "
+            f"share of a mask.")
+
+
+def _library_line(exc: BaseException) -> str:
+    """The innermost frame of library code (a torch module's forward, torch.distributions)
+    under which an op needed a value, as ' (file:line, in f)': not torch's dispatch and fake
+    tensor machinery, nor the planner's own."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    ours = os.path.dirname(os.path.dirname(__file__)) + os.sep
+    machinery = tuple(torch_dir + d for d in ("_", "utils" + os.sep + "_", "fx" + os.sep))
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(machinery) and not name.startswith(ours):
+            found = f" ({name}:{tb.tb_lineno}, in {tb.tb_frame.f_code.co_name})"
+        tb = tb.tb_next
+    return found
+
+
+def _known_value_cause(exc: BaseException, module) -> str:
+    """Settings of PyTorch's own code that read tensor values, and how to trace without them."""
+    import torch
+
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+        return (f"{type(module).__name__}(momentum=None) takes a cumulative average, whose "
+                f"factor it reads from num_batches_tracked.item(). Trace with a momentum set "
+                f"(0.1 is the default): the memory of the step is the same.")
+    tb = exc.__traceback__
+    while tb is not None:
+        if f"{os.sep}distributions{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return ("torch.distributions checks its arguments' values (validate_args), which "
+                    "fake tensors do not have: pass validate_args=False to the distribution, "
+                    "or call torch.distributions.Distribution.set_default_validate_args(False) "
+                    "before tracing; the step's memory is the same but for the checks' small "
+                    "temporaries.")
+        tb = tb.tb_next
+    return ""
 
 
 def _in_chain(cause: tuple, exc: BaseException) -> bool:
