@@ -638,11 +638,19 @@ def test_memory_limit_and_fraction():
     p = a.malloc(200 * MiB)
     with pytest.raises(_core.OutOfMemoryError, match="exceed the memory limit"):
         a.malloc(100 * MiB)
+    with pytest.raises(_core.OutOfMemoryError, match="exceeds the memory limit"):
+        a.malloc(300 * MiB)
+    # Both refused by the limit, as PyTorch 2.14 counts its fraction's refusals.
+    assert a.stats()["num_ooms"] == a.stats()["num_oom_rejections"] == 2
     a.set_memory_limit(0)
     q = a.malloc(100 * MiB)
     check_invariants(a, dev, {p: 200 * MiB, q: 100 * MiB})
     with pytest.raises(_core.AllocatorError, match="fraction"):
         a.set_memory_fraction(1.5)
+    a.set_memory_fraction(0.0)  # as PyTorch: nothing more may be had
+    with pytest.raises(_core.OutOfMemoryError, match="memory limit"):
+        a.malloc(MiB)
+    assert a.stats()["num_oom_rejections"] == 3
 
 
 def test_oom_message_reports_sizes_and_leaves_state_intact():

@@ -378,6 +378,7 @@ Block* CachingAllocator::allocate_locked(std::size_t size, StreamId stream, std:
   const std::size_t rounded = round_size(size);
   if (limit_ != 0 && rounded > limit_) {
     ++stats_.num_ooms;
+    ++stats_.num_oom_rejections;
     *oom = oom_message(size, rounded, stream, "the request alone exceeds the memory limit");
     return nullptr;
   }
@@ -528,6 +529,7 @@ Block* CachingAllocator::refuse(std::size_t size, std::size_t rounded, StreamId 
   ++stats_.num_ooms;
   const bool over_limit = limit_ != 0 && reserved_ + static_cast<std::int64_t>(growth) >
                                              static_cast<std::int64_t>(limit_);
+  stats_.num_oom_rejections += over_limit;
   const char* reason = pages ? (over_limit ? "the pages it needs would exceed the memory limit"
                                            : "the device has no free pages for it")
                              : (over_limit ? "a new segment would exceed the memory limit"

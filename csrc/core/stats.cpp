@@ -46,6 +46,7 @@ std::vector<std::pair<std::string, std::int64_t>> Stats::items() const {
   put(out, "oversize_segments", oversize_segments);
   out.emplace_back("num_alloc_retries", num_alloc_retries);
   out.emplace_back("num_ooms", num_ooms);
+  out.emplace_back("num_oom_rejections", num_oom_rejections);
   out.emplace_back("num_sync_all_streams", num_sync_all_streams);
   out.emplace_back("num_device_alloc", num_device_alloc);
   out.emplace_back("num_device_free", num_device_free);
@@ -59,7 +60,8 @@ void Stats::reset_peak() {
 
 void Stats::reset_accumulated() {
   for_each_array(*this, [](Stat& s) { s.reset_accumulated(); });
-  num_alloc_retries = num_ooms = num_sync_all_streams = num_device_alloc = num_device_free = 0;
+  num_alloc_retries = num_ooms = num_oom_rejections = num_sync_all_streams = num_device_alloc =
+      num_device_free = 0;
   num_unmap_waits = 0;
 }
 

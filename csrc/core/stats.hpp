@@ -58,6 +58,9 @@ struct Stats {
   Stat oversize_segments;
   std::int64_t num_alloc_retries = 0;   // device allocations retried after releasing cache
   std::int64_t num_ooms = 0;            // requests that failed after the whole OOM ladder
+  // Of those, the ones the memory limit refused (set_memory_fraction, set_memory_limit),
+  // as PyTorch 2.14 counts requests its per-process memory fraction refuses.
+  std::int64_t num_oom_rejections = 0;
   std::int64_t num_sync_all_streams = 0;
   std::int64_t num_device_alloc = 0;
   std::int64_t num_device_free = 0;
