@@ -851,8 +851,8 @@ TORCH_STAT_KEYS = {
     for metric in ("current", "peak", "allocated", "freed")
 } | {f"oversize_{k}.{m}" for k in ("allocations", "segments")
      for m in ("current", "peak", "allocated", "freed")} | {
-    "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
-    "num_device_free", "max_split_size"}
+    "num_alloc_retries", "num_ooms", "num_oom_rejections", "num_sync_all_streams",
+    "num_device_alloc", "num_device_free", "max_split_size"}
 
 
 def test_stats_have_torch_keys_and_meanings_and_peaks_reset():
