@@ -36,7 +36,7 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
                     TensorInfo)
 from .errors import PlannerError, UntraceableError
 from .library_shims import eager_paths
-from .module_state import function_caches_kept, kept_as_it_was
+from .module_state import HeldTensors, function_caches_kept, kept_as_it_was
 from .autocast import for_target as autocast_for_target
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
 
@@ -156,13 +156,34 @@ class _Recorder:
         # fake copies), so a closure reading the real tensor (a loss_fn over the inputs)
         # reads no new tensor.
         self.known_real: set[int] = set()
+        # id(real tensor) -> (it, its fake copy): the real parameters, buffers and inputs the
+        # step runs on copies of, an optimizer's other parameters, and (copy_leaves) each
+        # real tensor that requires grad, copied when code first reads it. Code that reaches
+        # the real tensor (a loss over a list of the parameters, torch.autograd.grad with
+        # respect to the real input, an EMA updated in the optimizer step) gets the copy
+        # (_function_mode): a real tensor read in the step would be a leaf of the traced
+        # graph, and backward would put a fake gradient in it.
+        self.copy_of: dict[int, tuple] = {}
+        # Real storage key -> (real tensor, its copy): ops that reach a real tensor below
+        # the function mode read a view of the copy where it has the same bytes (dispatch).
+        self.copy_storage: dict[int, tuple] = {}
+        self.copy_leaves = False
+        # Storage key of a copy made when first read -> the copy: registered then (dispatch).
+        self.lazy_copies: dict[int, Any] = {}
+        # id(real tensor) -> (it, its .grad before the step), put back after it (restore_reals).
+        self.grads_before: dict[int, tuple] = {}
+        # id(real tensor) -> (it, a copy of its data) for real tensors ops wrote (dispatch).
+        self.data_before: dict[int, tuple] = {}
+        self.quiet = False  # ops pass through unrecorded (a copy being made)
 
     # -- storages ------------------------------------------------------------------------
     def _new(self, t, category: str, op_index: int, op: str = "", name: str = "",
              module: str = "", phase: str = "") -> int:
         s = t.untyped_storage()
         key = s._cdata
-        nbytes = s.nbytes()
+        # A ZeroTensor (aten._efficientzerotensor: forward-mode AD's zero tangents) reports
+        # its storage's size, but eager allocates nothing for it.
+        nbytes = 0 if t._is_zerotensor() else s.nbytes()
         tid = len(self.tensors)
         self.tensors.append(TensorInfo(
             id=tid, nbytes=nbytes, size=self.profile.device_bytes(nbytes), shape=tuple(t.shape),
@@ -206,6 +227,80 @@ class _Recorder:
         if _storage_key(t) not in self.live:
             self._new(t, TEMPORARY, len(self.ops), op=name, module=self.module_now(),
                       phase=self.phase, name=name)
+
+    # -- real tensors and their copies ---------------------------------------------------
+    def add_copy(self, real, fake) -> None:
+        """`fake` stands for `real` in the step (copy_of, copy_storage)."""
+        import torch
+
+        self.copy_of.setdefault(id(real), (real, fake))
+        if real.layout == torch.strided and real.device.type != "meta":
+            self.copy_storage.setdefault(_storage_key(real), (real, fake))
+        if real.requires_grad and real.is_leaf:
+            self.grads_before.setdefault(id(real), (real, real.grad))
+
+    def share_copies(self, other: "_Recorder") -> None:
+        """Read `other`'s real tensors through the same copies (the optimizer's first step)."""
+        self.copy_of, self.copy_storage = other.copy_of, other.copy_storage
+        self.lazy_copies, self.grads_before = other.lazy_copies, other.grads_before
+        self.data_before = other.data_before
+        self.copy_leaves = other.copy_leaves
+
+    def copy_for(self, t):
+        """What code in the step reads for tensor `t`: its copy if it is a real tensor the
+        step replaced, or a real leaf that requires grad (copied now); else `t` itself."""
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor, is_fake
+
+        found = self.copy_of.get(id(t))
+        if found is not None:
+            return found[1]
+        if (not self.copy_leaves or isinstance(t, FakeTensor) or not t.requires_grad
+                or type(t) not in (torch.Tensor, torch.nn.Parameter)
+                or t.layout != torch.strided or is_fake(t)
+                or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return t  # functorch's wrappers (torch.func.grad's inputs) are plain Tensors too
+        self.quiet = True
+        try:
+            fake = _fake_like(t, True)
+        finally:
+            self.quiet = False
+        self.add_copy(t, fake)
+        self.lazy_copies[_storage_key(fake)] = fake
+        return fake
+
+    def view_of_copy(self, t):
+        """For real tensor `t` at dispatch: the same bytes of its storage's copy (a view
+        taken where the real tensor is visible, p.detach() in an optimizer step), or None.
+        Those bytes are counted already, as the copy."""
+        import torch
+
+        found = self.copy_storage.get(_storage_key(t))
+        if found is None:
+            return None
+        real, fake = found
+        if t is real:
+            return fake
+        offset = t.storage_offset() - real.storage_offset()
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        if (t.dtype != real.dtype or offset < 0 or 0 in t.shape
+                or (offset + extent) * t.element_size() > fake.untyped_storage().nbytes()):
+            return None
+        return torch.ops.aten.as_strided.default(fake, t.shape, t.stride(), offset)
+
+    def restore_reals(self) -> None:
+        """Put back each real tensor's gradient as it was before the step: backward may still
+        reach a real leaf the function mode did not see (an autograd.Function's input)."""
+        import torch
+
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+            for real, grad in self.grads_before.values():
+                if real.grad is not grad:
+                    real.grad = grad
+            for real, data in reversed(list(self.data_before.values())):
+                real.copy_(data)  # last first: overlapping views end as they began
+        self.copy_of, self.copy_storage, self.lazy_copies = {}, {}, {}
+        self.grads_before, self.data_before = {}, {}
 
     def register_host(self, t) -> None:
         key = _storage_key(t)
@@ -426,20 +521,49 @@ class _Recorder:
         from torch._subclasses.fake_tensor import is_fake
         from torch.utils import _pytree as pytree
 
+        if self.quiet:
+            return func(*args, **(kwargs or {}))
         if self.sum_watch is not None:
             self._settle_sum()
 
         flat_in = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if self.copy_storage and any(not is_fake(a) for a in flat_in):
+            # A real tensor whose bytes the step has a copy of, reached below the function
+            # mode: the op reads the copy's bytes, which are counted (a view of it is of it).
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda a: a if is_fake(a) else (self.view_of_copy(a) or a),
+                (args, kwargs))
+            flat_in = [a for a in pytree.tree_leaves((args, kwargs))
+                       if isinstance(a, torch.Tensor)]
         _refuse_sparse(func, flat_in)
+        real_in = False
         for a in flat_in:
             if not is_fake(a) and a.device.type != "meta":
+                real_in = True
                 # A real tensor the model or loss closes over (e.g. targets): FakeTensorMode
                 # converts it; it exists before the step, as an input.
                 if _storage_key(a) in self.known_real:
                     continue
                 if id(a) not in self.captured:
                     self.captured[id(a)] = (a, self.fake_mode.from_tensor(a))
+                    if a.requires_grad and a.is_leaf:  # backward may write its .grad
+                        with torch._C.DisableTorchFunction():
+                            self.grads_before.setdefault(id(a), (a, a.grad))
                 self.register(self.captured[id(a)][1], INPUT, name="captured tensor")
+            elif self.lazy_copies:
+                # A real tensor's copy made when first read (copy_for): it exists before the
+                # step, as the captured tensors above.
+                copy = self.lazy_copies.get(_storage_key(a))
+                if copy is not None:
+                    self.register(copy, INPUT, name="captured tensor")
+        if real_in and func._schema.is_mutable:
+            # FakeTensorMode runs an op whose operands are all real for real: an in-place
+            # update of a real tensor (running statistics kept by the loss, an EMA's counter)
+            # would outlive the trace. Its data is put back after it (restore_reals).
+            for t in _written(func, args, kwargs):
+                if not is_fake(t) and t.device.type != "meta" and id(t) not in self.data_before:
+                    with _disable_current_modes(), torch._C.DisableTorchFunction():
+                        self.data_before[id(t)] = (t, t.detach().clone())
         in_keys = [_storage_key(a) if is_fake(a) else _storage_key(self.fake_mode.from_tensor(a))
                    for a in flat_in if a.device.type != "meta"]
         index = len(self.ops)
@@ -544,6 +668,31 @@ class _Recorder:
         if self.progress is not None and index % 500 == 0:
             self.progress(self.phase, index)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _written_args(func) -> tuple:
+    """(position, name) of the arguments an op writes (Tensor(a!) in its schema)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors op `func` writes, of its operands (a list for foreach ops)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    out = []
+    for i, name in _written_args(func):
+        v = args[i] if i < len(args) else (kwargs or {}).get(name)
+        out += [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _disable_current_modes():
+    from torch.utils._python_dispatch import _disable_current_modes as disabled
+
+    return disabled()
 
 
 def real_storages(values) -> set[int]:
@@ -964,13 +1113,45 @@ def conversions_in_forward(model):
         torch.nn.Module._apply = real
 
 
+def _any_real(values) -> bool:
+    """Whether `values` (args or kwargs, lists within) hold a tensor that is not fake."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(values, dict):
+        values = values.values()
+    for v in values:
+        if isinstance(v, (list, tuple, dict)):
+            if _any_real(v):
+                return True
+        elif isinstance(v, _torch().Tensor) and not isinstance(v, FakeTensor):
+            return True
+    return False
+
+
 def _function_mode(rec: _Recorder, overrides: dict):
+    import torch
     from torch.overrides import TorchFunctionMode
+    from torch.utils import _pytree as pytree
 
     class _FunctionLayer(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            back = None
+            if _any_real(args) or _any_real(kwargs):
+                # Real tensors the step has copies of are read as the copies (copy_of); one
+                # given back unchanged (an in-place op's self, .contiguous()) is the real one.
+                back = {}
+
+                def to_copy(t):
+                    c = rec.copy_for(t)
+                    if c is not t:
+                        back[id(c)] = t
+                    return c
+
+                args, kwargs = pytree.tree_map_only(torch.Tensor, to_copy, (args, kwargs))
             out = overrides.get(func, func)(*args, **kwargs)
+            if back:
+                out = pytree.tree_map_only(torch.Tensor, lambda o: back.get(id(o), o), out)
             rec.note_autograd_outputs(out)
             return out
 
@@ -1000,6 +1181,42 @@ def _fake_like(t, requires_grad: bool):
     for hook in (getattr(t, "_backward_hooks", None) or {}).values():
         f.register_hook(hook)
     return f
+
+
+def _held_copies(known: set[int]):
+    """For HeldTensors.swap: a fake copy of a tensor a module holds, its storage's bytes
+    shared by the copies of its views; None for one the step has already (a parameter's
+    view, an input), a leaf that requires grad, and what is not a plain dense tensor."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    bases: dict[int, Any] = {}  # real storage key -> a fake one of its bytes
+
+    def copy(t):
+        if (type(t) not in (torch.Tensor, torch.nn.Parameter) or is_fake(t)
+                or t.layout != torch.strided or t.is_quantized or t._is_zerotensor()
+                or (t.requires_grad and t.is_leaf)):
+            return None
+        s = t.untyped_storage()
+        if t.device.type != "meta" and s._cdata in known:
+            return None
+        base = bases.get(s._cdata)
+        if base is None:
+            base = bases[s._cdata] = torch.empty(s.nbytes(), dtype=torch.uint8, device="cpu")
+        try:
+            return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        except RuntimeError:  # bytes its dtype does not divide: a copy of its own
+            return _fake_like(t, False)
+
+    return copy
+
+
+def _made_by(rec: _Recorder):
+    """Whether the step `rec` recorded made a fake tensor (alive): not one from before it."""
+    def made(t) -> bool:
+        tid = rec.live.get(_storage_key(t))
+        return tid is not None and rec.tensors[tid].alloc_op != BEFORE_STEP
+    return made
 
 
 def _make_optimizer(optimizer, params: list, fake_of: dict, profile: DeviceProfile):
@@ -1117,6 +1334,19 @@ class _ScalarShadow:
 _STEADY_STEP = 1000
 
 
+def _shadow_class(cls):
+    """The optimizer class a shadow runs: for a subclass of one of torch's optimizers, that
+    optimizer. The shadow's steps are real, and a subclass's own step may reach real tensors
+    outside it (an EMA of the model updated after each step: its counter moved 1,001 steps
+    per trace); torch's own steps touch their parameters and state only."""
+    import torch
+
+    for base in cls.__mro__:
+        if base.__module__.startswith("torch.optim") and base is not torch.optim.Optimizer:
+            return base
+    return cls
+
+
 def _shadow_scalars(opt, steps: int) -> dict:
     """(group index, key) -> the value of each scalar in a shadow optimizer's state after
     `steps` steps (see _ScalarShadow); {} where it cannot be built or stepped."""
@@ -1129,7 +1359,7 @@ def _shadow_scalars(opt, steps: int) -> dict:
                 p = torch.zeros(1, requires_grad=True)
                 params.append(p)
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [p]})
-            shadow = type(opt)(groups)
+            shadow = _shadow_class(type(opt))(groups)
             for _ in range(steps):
                 for p in params:
                     p.grad = torch.zeros_like(p)
@@ -1161,7 +1391,7 @@ def _torch():
 
 
 def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode, trained,
-                          scalars: dict) -> "_Recorder":
+                          scalars: dict, step_rec: "_Recorder | None" = None) -> "_Recorder":
     """The optimizer's first step, on zero gradients, recorded: it makes the optimizer's
     state, so that the traced step is the steady state, as in every step after the first,
     and the record says where a real run's first step makes that state (Adam: all of it
@@ -1171,18 +1401,21 @@ def _first_optimizer_step(opt, profile: DeviceProfile, fake_mode, trained,
     gradient (``trained``: their ids): torch's optimizers skip a parameter whose ``.grad``
     is None, in the first step as in every later one, so one the step does not train (never
     used in forward, or frozen but given to the optimizer) gets no state. The traced step's
-    gradients are set aside meanwhile and put back."""
+    gradients are set aside meanwhile and put back. ``step_rec``: the traced step's
+    recorder, whose copies of real tensors this step reads too."""
     import torch
 
     rec = _Recorder(profile, fake_mode, None)
     rec.scalar_value = _ScalarShadow(opt, scalars)
+    if step_rec is not None:
+        rec.share_copies(step_rec)
     params = [p for g in opt.param_groups for p in g["params"]]
     kept = [p.grad for p in params]
     for p in params:
         p.grad = torch.zeros_like(p) if id(p) in trained else None
     begin_first_step(rec, opt, [p for p in params if p.grad is not None])
     try:
-        with _dispatch_mode(rec):
+        with _dispatch_mode(rec), _function_mode(rec, {}):
             opt.step()
     finally:
         rec.close()
@@ -1574,10 +1807,20 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
     signatures whose tensors fit in that many bytes."""
     # The forward's Python side effects (state made lazily, counters) are undone after it.
     with kept_as_it_was(model), function_caches_kept(), eager_paths(), _fake_kernel_log_quiet():
-        return _capture(model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
-                        autocast=autocast, train=train, progress=progress,
-                        probe_limit=probe_limit, grads_present=grads_present,
-                        grad_scaler=grad_scaler, nonzero_density=nonzero_density)
+        run = functools.partial(
+            _capture, model, inputs, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+            autocast=autocast, train=train, progress=progress, probe_limit=probe_limit,
+            grads_present=grads_present, grad_scaler=grad_scaler,
+            nonzero_density=nonzero_density)
+        held = HeldTensors(model)
+        graph = run(held=held)
+        if held.left:
+            # The step left tensors in its modules (a hook's self.activation = o.detach()),
+            # which every step after it finds there until its forward replaces them: traced
+            # again from there, as the model had not run before.
+            held.stand_in()
+            graph = run(held=HeldTensors(model))
+        return graph
 
 
 @contextlib.contextmanager
@@ -1597,7 +1840,8 @@ def _fake_kernel_log_quiet():
 
 
 def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, progress,
-             probe_limit, grads_present, grad_scaler, nonzero_density) -> StepGraph:
+             probe_limit, grads_present, grad_scaler, nonzero_density,
+             held: HeldTensors | None = None) -> StepGraph:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
@@ -1611,6 +1855,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
     rec.nonzero_density = nonzero_density
     modes = {m: m.training for m in model.modules()}
     hooks = []
+    held = held if held is not None else HeldTensors(model)
     try:
         with fake_mode:
             fake_of: dict[int, Any] = {}      # id(real tensor) -> fake; keeps weight ties
@@ -1628,8 +1873,19 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                 state[name] = fake_of[id(b)]
             fake_args = pytree.tree_map_only(
                 torch.Tensor, lambda t: _fake_like(t, t.requires_grad), tuple(inputs))
+            # Parameters of an optimizer instance that are not the model's (a loss module's,
+            # a learnable temperature): trained in the step as the model's are, with their
+            # gradients and state; the loss reads their copies (copy_of).
+            outside = []
+            if isinstance(optimizer, torch.optim.Optimizer):
+                for gi, g in enumerate(optimizer.param_groups):
+                    for j, p in enumerate(g["params"]):
+                        if id(p) not in fake_of:
+                            fake_of[id(p)] = _fake_like(p, p.requires_grad)
+                            names[id(p)] = f"optimizer.param_groups[{gi}][{j}]"
+                            outside.append(p)
 
-            params = [fake_of[id(p)] for p in model.parameters() if p.requires_grad]
+            params = [fake_of[id(p)] for p in (*model.parameters(), *outside) if p.requires_grad]
             opt = None
             if optimizer is not None:
                 opt = _make_optimizer(optimizer, params, fake_of, profile)
@@ -1642,13 +1898,31 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         shadow_scalars = {n: _shadow_scalars(opt, n) if opt is not None else {}
                           for n in (1, _STEADY_STEP)}
         # What exists when the step starts.
-        rec.known_real = real_storages((*model.parameters(), *model.buffers(),
+        rec.known_real = real_storages((*model.parameters(), *model.buffers(), *outside,
                                         *pytree.tree_leaves(tuple(inputs))))
         for p in model.parameters():
             rec.register(fake_of[id(p)], PARAMETER, names[id(p)])
             rec.param_module[id(fake_of[id(p)])] = names[id(p)].rpartition(".")[0]
+        for p in outside:
+            rec.register(fake_of[id(p)], PARAMETER, names[id(p)])
+            rec.param_module[id(fake_of[id(p)])] = OUTSIDE
+        # Code outside the model's forward (the loss, the optimizer's step) that reaches these
+        # real tensors reads their copies, and real leaves that require grad are copied.
+        for p in (*model.parameters(), *model.buffers(), *outside):
+            rec.add_copy(p, fake_of[id(p)])
+        for a, f in zip(pytree.tree_leaves(tuple(inputs)), pytree.tree_leaves(fake_args)):
+            if isinstance(a, torch.Tensor):
+                rec.add_copy(a, f)
+        rec.copy_leaves = True
         for b in model.buffers():
             rec.register(fake_of[id(b)], BUFFER, names[id(b)])
+        # Tensors modules keep in plain attributes (a hook's self.activation = o.detach()):
+        # there when the step starts, each until the forward rebinds it and drops the copy
+        # the module holds meanwhile.
+        with fake_mode:
+            for name, f in held.swap(_held_copies(rec.known_real)):
+                rec.register(f, BUFFER, name)
+            f = None  # the module's reference is the only one
         pnames = {id(f): names[rid] for rid, f in fake_of.items() if rid in names}
         if grads_present:
             for f in params:
@@ -1737,7 +2011,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                 trained = _trained(rec, params, grad_versions)
                 with fake_mode:
                     first = _first_optimizer_step(opt, profile, fake_mode, trained,
-                                                  shadow_scalars[1])
+                                                  shadow_scalars[1], rec)
                 register_state()
             with fake_mode, _dispatch_mode(rec), _function_mode(rec, kernel_overrides(profile)):
                 if opt is not None:
@@ -1782,6 +2056,8 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                                "torch_version": torch.__version__})
     finally:
         rec.close()
+        rec.restore_reals()
+        held.restore(made_in_step=_made_by(rec))
         for h in hooks:
             h.remove()
         for m, mode in modes.items():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 class Measurement:
     peak_bytes: int        # peak of live tensor bytes during the step
     start_bytes: int       # live when the step started: parameters, buffers, inputs, state
+                           # and (CPU) what the steps before it left
     trace: object = None   # the recorded pymemplan.traces.Trace (CPU only)
 
 
@@ -29,11 +30,15 @@ def _build_optimizer(optimizer, model):
 
 
 def _state_tensors(model, inputs, opt) -> list:
-    """Parameters, buffers, tensor inputs and optimizer state on the model's device."""
+    """Parameters, buffers, tensors modules keep in plain attributes, tensor inputs and
+    optimizer state on the model's device."""
     import torch
+
+    from .module_state import HeldTensors
 
     device = next(iter(model.parameters())).device
     tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [t for _, t in HeldTensors(model).tensors()]
     tensors += [a for a in inputs if isinstance(a, torch.Tensor)]
     if opt is not None:
         tensors += [v for st in opt.state.values() for v in st.values()
@@ -42,15 +47,36 @@ def _state_tensors(model, inputs, opt) -> list:
     return [t for t in tensors if t.device == device]
 
 
+def _blocks(t) -> list:
+    """The storages holding a tensor's memory: a sparse tensor's indices' and values'; none
+    for a ZeroTensor (forward-mode AD's zero tangents), for which eager allocates nothing."""
+    import torch
+
+    if t._is_zerotensor():
+        return []
+    if t.layout == torch.sparse_coo:
+        parts = (t._indices(), t._values())
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    else:
+        return [t.untyped_storage()]
+    return [s for part in parts for s in _blocks(part)]
+
+
 def _state_storages(model, inputs, opt) -> dict[int, int]:
-    """The distinct storages (key -> bytes) of _state_tensors (shared storages counted once)."""
-    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-            for t in _state_tensors(model, inputs, opt)}
+    """The distinct blocks (data pointer -> bytes) of _state_tensors (shared storages counted
+    once)."""
+    return {s.data_ptr(): s.nbytes() for t in _state_tensors(model, inputs, opt)
+            for s in _blocks(t) if s.nbytes() > 0}
 
 
-def _reads(device, known: set[int]):
-    """A dispatch mode noting the distinct storages on `device` that ops read, other than
-    those in `known`: key -> (bytes, data pointer)."""
+def _reads(device):
+    """A dispatch mode noting the distinct storages on `device` that ops read, each by its
+    key: (bytes, a weak reference to it)."""
+    import weakref
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -58,15 +84,21 @@ def _reads(device, known: set[int]):
     class Reads(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.storages: dict[int, tuple[int, int]] = {}
+            self.storages: dict[int, tuple] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             for a in tree_leaves((args, kwargs or {})):
                 if isinstance(a, torch.Tensor) and a.device == device:
-                    s = a.untyped_storage()
-                    if s._cdata not in known and s.nbytes() > 0:
-                        self.storages.setdefault(s._cdata, (s.nbytes(), s.data_ptr()))
+                    for s in _blocks(a):
+                        if s._cdata not in self.storages and s.nbytes() > 0:
+                            self.storages[s._cdata] = (s.nbytes(), weakref.ref(s))
             return func(*args, **(kwargs or {}))
+
+        def alive(self) -> dict[int, int]:
+            """Those still alive: data pointer -> bytes. (Weak references, as the CPU
+            profiler reports no free of a block allocated while it was not running.)"""
+            return {s.data_ptr(): s.nbytes()
+                    for s in (ref() for _, ref in self.storages.values()) if s is not None}
 
     return Reads()
 
@@ -109,10 +141,13 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
 
     With an optimizer, a first step creates its state; gradients are then set to None and
     the second step is measured, as :func:`pymemplan.trace` predicts it (without one, a
-    first step runs too, its gradients dropped). The first step also finds the tensors the
-    step reads that exist before it and are neither parameters, buffers, inputs nor state (a
-    target the loss closes over): live through the step, they count in the peak, as in
-    :func:`pymemplan.trace`'s. The device is
+    first step runs too, its gradients dropped). Every block alive when the measured step
+    starts counts in its peak, as in :func:`pymemplan.trace`'s: parameters, buffers, inputs
+    and state; what the steps before made and left alive, whoever holds it (the state of
+    optimizers run from hooks, a tensor a module keeps from one step to the next); and, found
+    by the first step, the tensors the step reads that were there before it (a target the
+    loss closes over). A sparse tensor counts as its indices and values; a ZeroTensor
+    (forward-mode AD) as nothing, as eager allocates nothing for it. The device is
     the one the model's parameters are on. ``autocast``, ``grads_present`` (a later
     micro-step of gradient accumulation: gradients exist and backward adds into them) and
     ``grad_scaler`` (``torch.amp.GradScaler``) as for :func:`pymemplan.trace`.
@@ -120,9 +155,12 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     measured); more for optimizers whose step changes after a warm-up (RAdam's rectified
     update from its sixth step), as :func:`pymemplan.trace` predicts a step well into training.
     """
+    import contextlib
+
     import torch
 
     from ..traces import record
+    from ..traces.trace import ALLOC
 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
@@ -130,33 +168,42 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     device = next(iter(model.parameters())).device
     scaler = torch.amp.GradScaler(device.type) if grad_scaler else None
     step = step_fn(model, inputs, loss_fn, opt, autocast, scaler)
-    # A first step, unmeasured (with an optimizer it makes the state; without, it is a dry
-    # run whose gradients go below). On the CPU it finds the tensors the step reads that
-    # were there before it: read, and at no pointer the step allocated. Not in the measured
-    # step: a dispatch mode can change which kernels run.
-    older: dict[int, int] = {}
-    older_ptrs: set[int] = set()
-    model.zero_grad(set_to_none=True)  # gradients left by an earlier step are not the step's
-    if device.type == "cpu":
-        reads = _reads(device, set(_state_storages(model, inputs, opt)))
-        with record(device="cpu") as dry, reads:
-            step()
-        made = set(dry.trace.ptr.tolist())
-        older = {k: n for k, (n, ptr) in reads.storages.items() if ptr not in made}
-        older_ptrs = {ptr for n, ptr in reads.storages.values() if ptr not in made}
-    else:
-        step()
-    if opt is not None:
-        # GradScaler skips a step whose gradients overflowed (its first, at a scale of 65536,
-        # often does): the optimizer then has no state yet, and the measured step would make it.
-        for _ in range(32):
-            if scaler is None or opt.state:
-                break
-            step()
-    for _ in range(steps_before - 1):
+    # The steps before the measured one, unmeasured (with an optimizer the first makes the
+    # state; without, it is a dry run whose gradients go below). On the CPU they are
+    # recorded: what they make and leave alive is there when the measured step starts,
+    # whoever holds it (the optimizer, a hook's own optimizers, a module keeping a tensor
+    # from one step to the next). And the first finds the tensors the step reads that were
+    # there before it (a target the loss closes over). Not in the measured step: a dispatch
+    # mode can change which kernels run.
+    def clear_grads():
+        # Gradients left by an earlier step are not the step's: the model's, those of an
+        # optimizer's parameters outside it (a loss module's), and the inputs' (a batch is
+        # new at each step).
         model.zero_grad(set_to_none=True)
-        step()
-    model.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.grad = None
+
+    clear_grads()
+    cpu = device.type == "cpu"
+    reads = _reads(device) if cpu else contextlib.nullcontext()
+    with record(device="cpu") if cpu else contextlib.nullcontext() as warm:
+        with reads:
+            step()
+        if opt is not None:
+            # GradScaler skips a step whose gradients overflowed (its first, at a scale of
+            # 65536, often does): the optimizer then has no state yet, and the measured step
+            # would make it.
+            for _ in range(32):
+                if scaler is None or opt.state:
+                    break
+                step()
+        for _ in range(steps_before - 1):
+            clear_grads()
+            step()
+        clear_grads()
     grads = []
     if grads_present:
         for p in model.parameters():
@@ -166,25 +213,31 @@ def measure_step(model, inputs, *, loss_fn=None, optimizer=None, autocast=None,
     if scaler is not None:
         grads += [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
     known = _state_storages(model, list(inputs) + grads, opt)
-    start = sum(known.values())
-    if device.type == "cuda":
+    if not cpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        return Measurement(torch.cuda.max_memory_allocated(), start)
-    # Read by the step, made before it, and not counted above (a target the loss closes
-    # over): live through the step. cuda's counter has them already.
-    start += sum(n for key, n in older.items() if key not in known)
+        return Measurement(torch.cuda.max_memory_allocated(), sum(known.values()))
+    # Every block alive when the measured step starts, by data pointer, known before it
+    # runs (a step that rebinds parameters, p.data = ..., frees the ones counted here): the
+    # state; what the steps before made and left alive; and what the step reads that was
+    # there before them and is still alive. cuda's counter has them all.
+    tr = warm.trace
+    alive: dict[int, int] = {}
+    for action, ptr, size in zip(tr.action.tolist(), tr.ptr.tolist(), tr.size.tolist()):
+        if action == ALLOC:
+            alive[ptr] = size
+        else:
+            alive.pop(ptr, None)
+    alive = {**reads.alive(), **alive, **known}
     with record(device="cpu") as rec:
         step()
-    # Made before the step, neither state nor read, and freed by it: a tensor a module keeps
-    # from one step to the next (self.cache = h.detach()), replaced here. Live until then,
-    # and its free lowers the running total below.
-    counted = older_ptrs | {t.untyped_storage().data_ptr()
-                            for t in _state_tensors(model, list(inputs) + grads, opt)}
-    start += sum(n for ptr, n in rec.trace.meta["dropped_free_blocks"] if ptr not in counted)
+    # Freed by this step and not counted above (made in an earlier recording: the profiler
+    # reports no other frees of blocks from before it): live until then, and its free lowers
+    # the running total below.
+    start = sum(alive.values()) + sum(n for ptr, n in rec.trace.meta["dropped_free_blocks"]
+                                      if ptr not in alive)
     m = rec.trace.meta
     # The profiler's totals count from where recording started: add what was live then.
     return Measurement(start + m["peak_total_allocated"] - m["baseline_bytes"], start, rec.trace)
-

@@ -103,6 +103,130 @@ def _put_back(container, contents) -> None:
         container.update(contents)
 
 
+# nn.Module's own tables: parameters and buffers are the step's state already.
+_MODULE_OWN = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+class HeldTensors:
+    """Tensors modules keep in plain attributes, and in the lists, tuples and dicts held
+    there (a hook's ``self.activation = o.detach()``, an attention map kept for
+    visualisation, a queue): state a real step finds from the step before, live until the
+    forward rebinds them. Parameters and buffers are not among them."""
+
+    _DEPTH = 4  # containers within containers followed
+
+    def __init__(self, model):
+        self.model = model
+        self._undo: list = []  # (module, attribute, value) or (container, its contents)
+        self.left: list = []   # (name, fake tensor): what a traced step left (restore)
+
+    def tensors(self) -> list:
+        """``(name, tensor)`` for each tensor held (a tensor held twice, once)."""
+        found: list = []
+        self._walk_modules(lambda name, t: found.append((name, t)))  # None: each kept
+        return found
+
+    def swap(self, copy_of) -> list:
+        """Puts ``copy_of(tensor)`` in place of each tensor held, where it is not None (lists
+        and dicts changed in place, tuples rebuilt); :meth:`restore` puts them back.
+        Returns ``(name, copy)`` for each."""
+        made: list = []
+
+        def visit(name, t):
+            c = copy_of(t)
+            if c is not None:
+                made.append((name, c))
+            return c
+
+        self._walk_modules(visit)
+        return made
+
+    def restore(self, made_in_step=None) -> None:
+        """Puts back what :meth:`swap` replaced. ``made_in_step(fake tensor)``: whether a
+        traced step made it; those the step left in the modules then (in attributes or
+        entries it added) are kept in ``left``."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        for entry in reversed(self._undo):
+            if len(entry) == 3:
+                vars(entry[0])[entry[1]] = entry[2]
+            else:
+                _put_back(*entry)
+        self._undo = []
+        if made_in_step is not None:
+            self.left = [(name, t) for name, t in self.tensors()
+                         if is_fake(t) and not t._is_zerotensor() and made_in_step(t)]
+
+    def stand_in(self) -> None:
+        """Puts a meta tensor in place of each tensor in ``left``, its storage as large and
+        shared as theirs: what the step after the traced one finds there. Put back as the
+        model's other attributes are (:func:`kept_as_it_was`)."""
+        import torch
+
+        left = {id(t) for _, t in self.left}
+        bases: dict[int, object] = {}  # storage key -> a meta one of its bytes
+
+        def meta(t):
+            if id(t) not in left:
+                return None
+            s = t.untyped_storage()
+            if s._cdata not in bases:
+                bases[s._cdata] = torch.empty(s.nbytes(), dtype=torch.uint8, device="meta")
+            try:
+                return bases[s._cdata].view(t.dtype).as_strided(t.shape, t.stride(),
+                                                                t.storage_offset())
+            except RuntimeError:  # bytes its dtype does not divide: a storage of its own
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+        HeldTensors(self.model).swap(meta)
+        self.left = []
+
+    def _walk_modules(self, visit) -> None:
+        memo: dict[int, object] = {}  # id(tensor or container) -> what stands for it
+        for path, m in self.model.named_modules():
+            for k, v in list(vars(m).items()):
+                if _skipped(k) or k in _MODULE_OWN:
+                    continue
+                new = self._walk(v, f"{path}.{k}" if path else k, visit, memo, self._DEPTH)
+                if new is not v:
+                    self._undo.append((m, k, v))
+                    vars(m)[k] = new
+
+    def _walk(self, value, name, visit, memo, depth):
+        """`value` with each tensor in it replaced by what `visit` returns for it (None:
+        kept)."""
+        import torch
+
+        if id(value) in memo:  # held twice: one copy stands for it in both places
+            return memo[id(value)]
+        if isinstance(value, torch.Tensor):
+            new = visit(name, value)
+            memo[id(value)] = value if new is None else new
+            return memo[id(value)]
+        if depth == 0 or not isinstance(value, (list, tuple, dict)):
+            return value
+        memo[id(value)] = value  # a container within itself
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        new = {k: self._walk(v, f"{name}[{k!r}]", visit, memo, depth - 1)
+               for k, v in items}
+        old = dict(value.items() if isinstance(value, dict) else enumerate(value))
+        if all(new[k] is v for k, v in old.items()):
+            return value
+        if isinstance(value, tuple):
+            try:  # a named tuple takes its fields as arguments
+                memo[id(value)] = (type(value)(*new.values()) if hasattr(value, "_fields")
+                                   else tuple(new.values()))
+            except TypeError:
+                pass
+            return memo[id(value)]
+        self._undo.append((value, _contents(value)))
+        if isinstance(value, list):
+            value[:] = list(new.values())
+        else:
+            value.update(new)
+        return value
+
+
 def _function_caches() -> list:
     """Every ``functools.lru_cache`` / ``functools.cache`` wrapper alive."""
     import functools

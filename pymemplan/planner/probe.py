@@ -247,8 +247,10 @@ class ProbeSet:
                 stats["failed"] += 1
                 continue
             # A real output larger than the fake one (a kernel's workspace, which fake
-            # tensors leave empty) is taken at its real size.
-            real = [o.untyped_storage().nbytes() if isinstance(o, torch.Tensor) else 0
+            # tensors leave empty) is taken at its real size. A ZeroTensor's reports a size
+            # but holds nothing.
+            real = [o.untyped_storage().nbytes()
+                    if isinstance(o, torch.Tensor) and not o._is_zerotensor() else 0
                     for o in pytree.tree_leaves(out, is_leaf=lambda x: x is None)
                     if o is None or isinstance(o, torch.Tensor)]
             del out

@@ -599,6 +599,9 @@ class _StorageView:
     def untyped_storage(self):
         return self._storage
 
+    def _is_zerotensor(self):  # a storage holds its bytes
+        return False
+
 
 def _local(t):
     from torch.distributed.tensor import DTensor
