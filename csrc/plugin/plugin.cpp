@@ -64,6 +64,7 @@ struct Plugin {
   PluginConfig config;
   std::array<std::atomic<Allocator*>, kMaxDevices> allocators{};
   std::array<std::atomic<CudaDevice*>, kMaxDevices> devices{};  // each allocator's device
+  std::atomic<int> allocator_count{0};  // with one, a free names its device
   std::atomic<bool> raise_on_oom{true};
   // Plans for allocators not made yet (pymemplan_stage_plans), per device and for any device:
   // loading them must not make a device's allocator early, which retains a CUDA context.
@@ -310,6 +311,7 @@ Allocator& allocator_for(int device) {
       }
     }
     p.allocators[static_cast<std::size_t>(device)].store(a, std::memory_order_release);
+    p.allocator_count.fetch_add(1, std::memory_order_release);
   }
   return *a;
 }
@@ -481,9 +483,10 @@ void pymemplan_free(void* ptr, ssize_t size, int device, pymemplan_stream_t stre
     // PyTorch names the device the tensor was made on; a block of another device (a caller's
     // mistake) is found where it is, without making an allocator for the device named.
     // Where no allocator owns it, the named device's says what is wrong (inside a block,
-    // freed already).
+    // freed already). With one allocator in the process (one GPU), nothing to look up.
     Allocator* a = existing_allocator(device);
-    if (a == nullptr || !a->owns(ptr)) {
+    if (a == nullptr ||
+        (plugin().allocator_count.load(std::memory_order_acquire) > 1 && !a->owns(ptr))) {
       for (int d = 0; d < kMaxDevices; ++d) {
         Allocator* other = existing_allocator(d);
         if (d != device && other != nullptr && other->owns(ptr)) {
