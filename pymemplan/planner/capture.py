@@ -36,7 +36,7 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
                     TensorInfo)
 from .errors import PlannerError, UntraceableError
 from .library_shims import eager_paths
-from .module_state import HeldTensors, function_caches_kept, kept_as_it_was
+from .module_state import HeldTensors, function_caches_kept, kept_as_it_was, storage_alias
 from .autocast import for_target as autocast_for_target
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
 
@@ -1197,16 +1197,9 @@ def _held_copies(known: set[int]):
                 or t.layout != torch.strided or t.is_quantized or t._is_zerotensor()
                 or (t.requires_grad and t.is_leaf)):
             return None
-        s = t.untyped_storage()
-        if t.device.type != "meta" and s._cdata in known:
+        if t.device.type != "meta" and t.untyped_storage()._cdata in known:
             return None
-        base = bases.get(s._cdata)
-        if base is None:
-            base = bases[s._cdata] = torch.empty(s.nbytes(), dtype=torch.uint8, device="cpu")
-        try:
-            return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-        except RuntimeError:  # bytes its dtype does not divide: a copy of its own
-            return _fake_like(t, False)
+        return storage_alias(bases, t, "cpu")  # under the fake mode: fake
 
     return copy
 

@@ -165,20 +165,8 @@ class HeldTensors:
 
         left = {id(t) for _, t in self.left}
         bases: dict[int, object] = {}  # storage key -> a meta one of its bytes
-
-        def meta(t):
-            if id(t) not in left:
-                return None
-            s = t.untyped_storage()
-            if s._cdata not in bases:
-                bases[s._cdata] = torch.empty(s.nbytes(), dtype=torch.uint8, device="meta")
-            try:
-                return bases[s._cdata].view(t.dtype).as_strided(t.shape, t.stride(),
-                                                                t.storage_offset())
-            except RuntimeError:  # bytes its dtype does not divide: a storage of its own
-                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-        HeldTensors(self.model).swap(meta)
+        HeldTensors(self.model).swap(
+            lambda t: storage_alias(bases, t, "meta") if id(t) in left else None)
         self.left = []
 
     def _walk_modules(self, visit) -> None:
@@ -225,6 +213,21 @@ class HeldTensors:
         else:
             value.update(new)
         return value
+
+
+def storage_alias(bases: dict, t, device: str):
+    """A tensor on `device` with `t`'s shape, strides and offset into a storage as large as
+    `t`'s, one per storage of the real ones (`bases`: storage key -> that storage's bytes),
+    so that copies of views of one tensor share their bytes as the views do."""
+    import torch
+
+    s = t.untyped_storage()
+    if s._cdata not in bases:
+        bases[s._cdata] = torch.empty(s.nbytes(), dtype=torch.uint8, device=device)
+    try:
+        return bases[s._cdata].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+    except RuntimeError:  # bytes its dtype does not divide: a storage of its own
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
 def _function_caches() -> list:
