@@ -241,3 +241,28 @@ def test_a_distributed_data_parallel_step_records_whole(tmp_path):
             assert live.pop(p) == s
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     assert t.peak_live_bytes() >= grads  # the gradients (and DDP's buckets) were recorded
+
+
+@pytest.mark.parametrize("user_level", [None, "5"])
+def test_the_profilers_own_log_lines_stay_off_stderr_unless_the_user_asks(user_level):
+    # Kineto prints two lines at every profiler start and stop (and an error where no GPU
+    # is found); the kernel probe starts one profiler per op signature. A user's own
+    # KINETO_LOG_LEVEL is kept.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, pymemplan\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())\n"
+            "t = pymemplan.trace(m, (torch.randn(4, 8),), loss_fn=lambda o: o.sum(),\n"
+            "                    device='cpu')\n"
+            "import os; print(t.peak_bytes > 0, os.environ['KINETO_LOG_LEVEL'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    if user_level is not None:
+        env["KINETO_LOG_LEVEL"] = user_level
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", user_level or "6"]
+    if user_level is None:
+        assert "profiler_start" not in run.stderr and "ERROR" not in run.stderr, run.stderr[:500]

@@ -24,6 +24,7 @@ is found (see :func:`trace_from_events`).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -202,6 +203,15 @@ def _settle_ties(evs: list[AllocationEvent]) -> list[AllocationEvent]:
     return out
 
 
+def quiet_profiler_logs() -> None:
+    """Keep the PyTorch profiler's own log lines off stderr, unless the user has set
+    ``KINETO_LOG_LEVEL``. Kineto (torch 2.14) prints two lines at every profiler start and
+    stop, and an error on a machine without a GPU; the planner's kernel probe starts one
+    profiler per op signature, hundreds per trace. Kineto reads the level at its first use
+    in the process, so this acts only where pymemplan profiles first."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 class record:
     """Context manager recording every allocation and free of the code it wraps.
 
@@ -228,6 +238,7 @@ class record:
                                  "or another record()); stop it before recording")
         # CPU activity is enough: allocator reports (CUDA ones included) reach the
         # profiler from the calling thread. No shapes or stacks: less overhead.
+        quiet_profiler_logs()
         self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                                record_shapes=False, with_stack=False)
         self._torch_version = torch.__version__
