@@ -282,3 +282,41 @@ def test_a_layer_shared_across_depth_is_a_checkpoint_candidate_of_a_sharded_step
         plan.remove(model)
     assert traced <= int(0.8 * t.peak_bytes)
     assert 0 <= plan.predicted_peak_bytes - traced <= 4 * checkpoint_rng_bytes("cpu")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_a_loss_over_the_real_parameters_leaves_them_as_they_were(strategy):
+    # A loss reading the user's real parameters (a list kept from model.parameters()) and
+    # a real leaf of its own: the warm-up step and the traced one read stand-ins, and no
+    # fake gradient is left on a real tensor. Under DDP and ZeRO-1 the parameters read are
+    # the ones the strategy trains, as when the loss term is part of the forward.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    params = list(model.parameters())
+    extra = torch.nn.Parameter(torch.randn(64, 8))
+    x = torch.randn(16, 64)
+
+    def reg(ps):
+        return 1e-3 * sum(p.square().sum() for p in ps)
+
+    def loss_fn(out):
+        return out.square().mean() + reg(params) + extra.square().sum()
+
+    kw = dict(strategy=strategy, world_size=2, optimizer=torch.optim.AdamW, device="cpu",
+              probe_kernels=False)
+    data = [p.detach().clone() for p in (*params, extra)]
+    t = S.trace_sharded(model, (x,), loss_fn=loss_fn, **kw)
+    assert all(p.grad is None for p in (*params, extra))
+    assert all(torch.equal(p, d) for p, d in zip((*params, extra), data))
+    if strategy != "fsdp":
+        class InForward(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = model
+
+            def forward(self, x):
+                return self.m(x).square().mean() + reg(self.m.parameters())
+
+        inner = S.trace_sharded(InForward(), (x,), loss_fn=lambda o: o + extra.square().sum(),
+                                **kw)
+        assert t.peak_bytes == inner.peak_bytes

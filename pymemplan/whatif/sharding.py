@@ -417,6 +417,32 @@ def _mode(state: _State):
     return _ShardMode()
 
 
+def _copies_of_reals(profile, fake_mode, model, fmodel, inputs, fake_args):
+    """A recorder holding only the fake world's stand-ins for the user's real parameters,
+    buffers and inputs (matched by name and position), for the function mode."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils import _pytree as pytree
+
+    from ..planner.capture import _Recorder
+
+    copies = _Recorder(profile, fake_mode, None)
+    fake = dict(fmodel.named_parameters(remove_duplicate=False))
+    fake.update(fmodel.named_buffers(remove_duplicate=False))
+    for name, t in (*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)):
+        f = fake.get(name)
+        # A shard (FSDP's DTensor) does not stand for the whole tensor's bytes: such a real
+        # tensor, if read, is copied whole when first read (copy_leaves), as any real leaf.
+        if f is not None and not isinstance(f, DTensor) and f.shape == t.shape:
+            copies.add_copy(t, f)
+    for a, f in zip(pytree.tree_leaves(tuple(inputs)), pytree.tree_leaves(fake_args)):
+        if isinstance(a, torch.Tensor):
+            copies.add_copy(a, f)
+    copies.copy_leaves = True
+    return copies
+
+
 def _recorder_class():
     from ..planner.capture import _Recorder
     from ..planner.graph import BEFORE_STEP, TEMPORARY, TensorInfo
@@ -764,6 +790,12 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                 raise PlannerError(f"cannot apply {strategy!r} to {type(model).__name__}: "
                                    f"{type(e).__name__}: {e}") from e
             world.update(wrapped=wrapped, opt=opt)
+            # Code outside the model (a loss over a list of the parameters) reads the fake
+            # world's tensors for the user's real ones, as in pymemplan.trace: a real tensor
+            # read in the step would be a leaf of the graph, and backward would leave a fake
+            # gradient in it. Put back at the end, whatever happens.
+            copies = _copies_of_reals(profile, fake_mode, model, fmodel, inputs, fake_args)
+            stack.callback(copies.restore_reals)
             scaler = world["scaler"] = scaler_class() if scaler_class else None
             inner = getattr(opt, "optim", opt)   # ZeroRedundancyOptimizer's local optimizer
             params = list(fmodel.parameters())
@@ -790,6 +822,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
             state.label = "warm-up"
             first = None
             try:
+                warm_copies = _function_mode(copies, {})
+                warm_copies.__enter__()
                 loss = step()
                 _backward(loss)
                 del loss
@@ -816,6 +850,8 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
             except Exception as e:
                 raise PlannerError(f"the warm-up step under {strategy!r} failed: "
                                    f"{type(e).__name__}: {e}") from e
+            finally:
+                warm_copies.__exit__(None, None, None)
             if strategy in ("ddp", "zero1"):
                 # DDP rebuilds its buckets in gradient-ready order once, at the start of the
                 # second forward; do it now, with its few int32 index tensors real.
@@ -838,6 +874,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
         rec = _recorder_class()(profile, fake_mode, progress, probes)
         # A loss_fn over the real inputs reads tensors registered already (their copies).
         rec.known_real = real_storages(pytree.tree_leaves(tuple(inputs)))
+        rec.share_copies(copies)
         rec.nonzero_density = nonzero_density
         stack.callback(rec.close)
         fsdp = _fsdp_params(fmodel) if strategy in ("zero2", "zero3", "fsdp") else []
@@ -1288,6 +1325,8 @@ def _rank_main(rank, world_size, port, spec, strategies, optimizer, warmup, thre
         import torch.distributed as dist
         from torch.profiler import ProfilerActivity, profile, record_function
 
+        from ..traces.record import quiet_profiler_logs
+
         torch.set_num_threads(threads)
         _one_worker_gloo()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -1297,6 +1336,7 @@ def _rank_main(rank, world_size, port, spec, strategies, optimizer, warmup, thre
             if isinstance(base_inputs, torch.Tensor):
                 base_inputs = (base_inputs,)
             base_model.train()
+            quiet_profiler_logs()
             for strategy in strategies:
                 settled = _settled_collectives()
                 clock = [time.perf_counter()]
