@@ -9,11 +9,14 @@ the Sequential a forward that runs those children under one checkpoint. A unit p
 "save-compute" gets a selective-checkpoint policy
 (``create_selective_checkpoint_contexts``) that keeps the outputs of matmuls,
 convolutions and attention and recomputes the rest. :func:`remove` deletes those
-attributes.
+attributes. Applying the same plan again does nothing; another plan on a model that has
+one applied is an error (the two would nest: a plan nobody predicted).
 
 Recomputing a forward would update BatchNorm's running statistics a second time; the
-wrapper puts the running buffers of the unit's BatchNorm layers (those in training mode)
-back after the recompute, so they move once per step, as without checkpointing. Other
+wrapper puts the running buffers of the BatchNorm layers the unit runs (those in training
+mode: its own, and any it calls without owning them, passed as an argument or held by
+reference) back after the recompute, so they move once per step, as without
+checkpointing. Other
 state a forward changes (spectral norm's power iteration, an observer's range, a step
 counter kept in a buffer) is not restored: its recompute would compute with state the
 first run has already moved, and gradients would silently differ. The planner leaves
@@ -43,6 +46,7 @@ import re
 _MARK = "_pymemplan_checkpointed"
 _USE_CACHE = "_pymemplan_use_cache"  # a Hugging Face config's use_cache before apply()
 _OWN_FORWARD = "_pymemplan_own_forward"  # a forward set on the instance before apply()
+_APPLIED = "_pymemplan_applied"  # on the model: the units apply() checkpointed, by policy
 
 
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -82,14 +86,47 @@ def _refuse_changed_state(owners, before) -> None:
     # rebuilds alike; plans leave out modules seen to replace buffers when traced too.
     from ..errors import PlannerError
 
+    owned = {id(m) for top in owners for m in top.modules()}
     for m, name, b, version in before:
         if m._buffers.get(name) is b and b._version != version:
+            whose = (f"of its {type(m).__name__}" if id(m) in owned else
+                     f"of a {type(m).__name__} it calls without owning it")
             raise PlannerError(
                 f"the checkpointed module {type(owners[0]).__name__} changes the buffer "
-                f"'{name}' of its {type(m).__name__} in its forward: the recompute in "
+                f"'{name}' {whose} in its forward: the recompute in "
                 f"backward would compute with the state the first run left and change it "
                 f"again, so gradients would silently differ. Do not checkpoint it (plans of "
                 f"pymemplan.plan leave such modules out)")
+
+
+@contextlib.contextmanager
+def _modules_called(owners):
+    """The modules called in the block that are not under ``owners`` (passed to a unit as
+    an argument, held by reference): ``(running BatchNorms, buffer versions)``, filled in
+    as they are called. Their state is the unit's as its own modules' is: a recompute runs
+    them again."""
+    import torch
+
+    owned = {id(m) for top in owners for m in top.modules()}
+    seen: set[int] = set()
+    bns: list = []
+    versions: list = []
+
+    def hook(m, _args):
+        if id(m) in owned or id(m) in seen:
+            return
+        seen.add(id(m))
+        keep = restored_buffers(m)
+        if keep and m.training:
+            bns.append(m)
+        versions.extend((m, n, b, b._version) for n, b in m._buffers.items()
+                        if b is not None and n not in keep)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield bns, versions
+    finally:
+        handle.remove()
 
 
 def _save_compute_policy(ctx, op, *args, **kwargs):
@@ -152,8 +189,12 @@ def _run_checkpointed(forward, owners, policy, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 1:
             before = _buffer_versions(owners)
-            out = forward(*a, **kwargs)
-            _refuse_changed_state(owners, before)
+            with _modules_called(owners) as (bns, versions):
+                out = forward(*a, **kwargs)
+            _refuse_changed_state(owners, before + versions)
+            # BatchNorms it ran without owning them (passed as an argument): put back too.
+            buffers.extend(getattr(m, b) for m in bns for b in _BN_BUFFERS
+                           if getattr(m, b, None) is not None)
             return out
         a, k = first_args, first_kwargs
         if not buffers:
@@ -230,6 +271,18 @@ def apply(model, modules):
 
     if not isinstance(modules, dict):
         modules = {path: "full" for path in modules}
+    modules = dict(modules)
+    # Applying a plan again is a no-op (Sequential runs included); another plan on top of
+    # one applied would nest the two, a plan nobody predicted: an error.
+    applied = model.__dict__.get(_APPLIED)
+    if applied is not None or checkpointed_modules(model):
+        if applied == modules:
+            return model
+        raise PlannerError(
+            f"the model already has a plan applied (checkpointing "
+            f"{', '.join(sorted(applied or checkpointed_modules(model))[:4])}"
+            f"{', ...' if len(applied or checkpointed_modules(model)) > 4 else ''}): call "
+            f"plan.remove(model) before applying another one")
     segments: dict[str, dict] = {}
     for path, policy in modules.items():
         if policy not in ("full", "save-compute"):
@@ -272,6 +325,8 @@ def apply(model, modules):
         for cfg in turned_off:
             cfg.use_cache = False
         object.__setattr__(model, _USE_CACHE, turned_off)
+    if modules:
+        object.__setattr__(model, _APPLIED, modules)
     return model
 
 
@@ -321,6 +376,7 @@ def remove(model):
                 object.__setattr__(m, "forward", own)
     for cfg in model.__dict__.pop(_USE_CACHE, None) or ():
         cfg.use_cache = True
+    model.__dict__.pop(_APPLIED, None)
     return model
 
 

@@ -60,6 +60,13 @@ def module_flops(model, inputs) -> dict[str, float]:
     return forward_facts(model, inputs)[0]
 
 
+class ModuleFacts(dict):
+    """``forward_facts``'s module path -> ``(op index, bytes)`` of the storages each
+    module's calls returned, with ``arguments``: the same for the tensors they were given."""
+
+    arguments: dict
+
+
 def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autocast=None,
                   nonzero_density=None):
     """Run the model's forward once on fake tensors (nothing computed or allocated) and
@@ -75,6 +82,10 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
       returned, by the index of the op that allocated them, counting every ATen op as
       capture does. In-place ops (``out += x; relu_(out)``) keep the storage's first
       allocation, which is what the trace records;
+      Its attribute ``arguments`` (a :class:`ModuleFacts`): module path -> ``(op index,
+      bytes)`` of the storages of the tensors its calls were given (positional and
+      keyword, in lists, tuples and dicts too), found the same way: checkpoint keeps
+      them all to the unit's backward, whether an op of the unit reads them or not;
     - ``op_names``: the ops in order, so the caller can check that they line up with the
       trace before trusting ``outputs``;
     - ``mutated``: what the forward changes in place that checkpointing must keep as it
@@ -91,8 +102,9 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
       norm's power iteration, an observer's range, a counter), BatchNorm's running
       statistics excepted (the checkpoint wrapper puts those back), rebinds one of its
       Python attributes (a step counter), or draws random numbers from a generator of its
-      own (checkpoint restores only the default generator's state); a dict of module
-      path -> what it changes. A recompute would
+      own (checkpoint restores only the default generator's state); and modules that call
+      such a module without owning it (given it as an argument, holding it by reference);
+      a dict of module path -> what it changes. A recompute would
       compute with the state the first run left and change it again: no unit
       containing one can be checkpointed.
     """
@@ -157,11 +169,15 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
     from ..module_state import Snapshot, function_caches_kept
     from .apply_eager import restored_buffers
 
-    outputs: dict[str, list] = {}
+    outputs = ModuleFacts()
+    outputs.arguments = {}
     hooks = []
     called: list = []  # (path, [(tensor, version at the call)])
     own_buffers: dict[str, list] = {}  # path -> per call in progress: [(name, tensor, version)]
     changed_state: dict[str, str] = {}  # module path -> what of its state it changes
+    # module path -> the calls it ran inside that are not its ancestors (a module passed
+    # as an argument or held by reference): a recompute of theirs runs it again.
+    callers: dict[str, set] = {}
 
     def enter(path):
         def hook(_m, args, kwargs):
@@ -169,10 +185,15 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             own_buffers.setdefault(path, []).append(
                 [(n, b, b._version) for n, b in _m._buffers.items()
                  if b is not None and n not in keep])
+            callers.setdefault(path, set()).update(
+                c for c in stack if c and c != path and not path.startswith(c + "."))
             stack.append(path)
             leaves = pytree.tree_leaves((args, kwargs))
             called.append((path, [(t, t._version) for t in leaves
                                   if isinstance(t, torch.Tensor)]))
+            outputs.arguments.setdefault(path, []).extend(
+                (first.get(t.untyped_storage()._cdata, -1), t.untyped_storage().nbytes())
+                for t in leaves if isinstance(t, torch.Tensor))
         return hook
 
     def leave(path):
@@ -221,6 +242,12 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
             # as its buffers are.
             for path, attrs in snapshot.changed(ours=state.values()).items():
                 changed_state.setdefault(path, f"its attribute '{sorted(attrs)[0]}'")
+            # A module that runs one with state without owning it (given it as an argument,
+            # holding it by reference) changes that state as much as its own.
+            for path, what in list(changed_state.items()):
+                for c in sorted(callers.get(path, ())):
+                    changed_state.setdefault(
+                        c, f"the state of '{path}', which it calls without owning it ({what})")
             mutated = {"arguments": {path for path, seen in called
                                      if any(t._version != v for t, v in seen)},
                        "compute_outputs": {path for path, o, v in computed

@@ -12,8 +12,8 @@ traced step (:class:`~pymemplan.planner.graph.StepGraph`):
      M's forward ends, and re-made when M's backward starts. M's output (what its last
      allocating op made) is kept: the next module holds it.
   2. *Held inputs*: checkpoint keeps M's arguments until M's backward. Storages made
-     before M, last used inside M's forward and released there, now live until M's
-     backward ends.
+     before M that M reads or is given (read or not), and that would be released before
+     M's backward, now live until M's backward ends.
      Under the selective policy, the compute-bound outputs it caches live until then too.
   3. *Recompute transient*: re-running M's forward at the start of its backward needs, on
      top of what is live then, the temporaries M's forward had at its worst moment, less
@@ -328,6 +328,9 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
     forward returned (``cost.forward_facts``, checked to line up with the trace); those
     are kept when it is checkpointed. Without them a unit's output is taken to be what
     its last allocating op made, which in-place tails (``out += x; relu_(out)``) defeat.
+    Their ``arguments`` attribute, where present: the same for the tensors each module
+    was given, which checkpoint keeps to its backward even where none of its ops reads
+    them (without it, only the arguments its ops read are counted).
     ``mutated_inputs``: module paths whose arguments are changed in place after the call
     (``cost.forward_facts``); they are no candidates, nor are runs of a Sequential that
     start with one (checkpoint keeps the arguments, and autograd refuses them changed).
@@ -466,6 +469,9 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
         raise PlannerError(f"modules={list(modules)!r} matches no module the traced step "
                            f"calls (fnmatch patterns of module paths, such as {some}); "
                            f"leave modules out to consider every module")
+    # The storages each module's calls were given, by allocating op (cost.forward_facts).
+    given = {path: set(args) for path, args in
+             (getattr(outputs, "arguments", None) or {}).items()}
     for path, calls, unit_flops, returner in units:
         # Each call of the unit: what checkpoint drops there and what it holds.
         per_call = []
@@ -489,6 +495,10 @@ def build_problem(g: StepGraph, *, flops: dict | None = None, speed: DeviceSpeed
                 # before the unit that it reads, and that would go before then. (One that
                 # goes inside the unit's backward anyway is left as it is: a few ops.)
                 read = {tid for i in range(f0, f1 + 1) for tid in g.op_reads[i]}
+                # And the tensors it was given that none of its ops reads (position ids
+                # passed to every layer): checkpoint keeps every argument.
+                read |= {t.id for op, size in given.get(path, ()) if 0 <= op < f0
+                         for t in by_alloc.get(op, ()) if t.nbytes == size}
                 held = [g.tensors[tid] for tid in sorted(read)
                         if g.tensors[tid].alloc_op < f0 and g.tensors[tid].size
                         and g.tensors[tid].freed_before is not None
