@@ -1183,6 +1183,45 @@ def test_hugging_face_decoder_without_cache_traces_its_eager_attention_path(use_
     assert not hasattr(masking_utils.find_packed_sequence_indices, "__wrapped__")
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_attention_mask_of_all_ones_traces_as_no_padding(padded):
+    # Transformers reads the 2D padding mask's values: all ones, and attention runs with
+    # no mask. A fake mask cannot tell, and the trace built a (B, 1, S, S) mask the eager
+    # step never makes (11% high here). A checkpoint plan's view of the forward agrees.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = transformers.Qwen2ForCausalLM(cfg)
+
+        def forward(self, ids, mask):
+            return self.lm(input_ids=ids, attention_mask=mask).logits
+
+    model, ids = Masked(), torch.randint(0, 128, (4, 96))
+    mask = torch.ones(4, 96, dtype=torch.long)
+    if padded:
+        mask[:, -6:] = 0
+
+    def loss(out):
+        return out.float().mean()
+
+    t = pymemplan.trace(model, (ids, mask), loss_fn=loss, device="cpu")
+    assert t.peak_bytes == measure_step(model, (ids, mask), loss_fn=loss).peak_bytes
+    plan = t.plan(int(t.peak_bytes * 0.85))
+    assert plan.predicted_peak_bytes == plan.verified_peak_bytes
+    plan.apply(model)
+    try:
+        assert measure_step(model, (ids, mask), loss_fn=loss).peak_bytes == \
+            plan.predicted_peak_bytes
+    finally:
+        plan.remove(model)
+
+
 def test_a_tensor_the_loss_closes_over_is_counted_once_for_the_whole_step():
     # Targets held by a closure live through the step, however many ops read them; the
     # inputs a closure reads are the inputs, counted once already.

@@ -35,7 +35,7 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
                     OPTIMIZER, OPTIMIZER_STATE, PARAMETER, TEMPORARY, OpNode, StepGraph,
                     TensorInfo)
 from .errors import PlannerError, UntraceableError
-from .library_shims import eager_paths
+from .library_shims import eager_paths, note_real_inputs
 from .module_state import HeldTensors, function_caches_kept, kept_as_it_was, storage_alias
 from .autocast import for_target as autocast_for_target
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
@@ -1866,6 +1866,7 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
                 state[name] = fake_of[id(b)]
             fake_args = pytree.tree_map_only(
                 torch.Tensor, lambda t: _fake_like(t, t.requires_grad), tuple(inputs))
+            note_real_inputs(pytree.tree_leaves(fake_args), pytree.tree_leaves(tuple(inputs)))
             # Parameters of an optimizer instance that are not the model's (a loss module's,
             # a learnable temperature): trained in the step as the model's are, with their
             # gradients and state; the loss reads their copies (copy_of).

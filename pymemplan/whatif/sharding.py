@@ -726,6 +726,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
                                    backward_phase, begin_first_step, finish_recording,
                                    real_storages, rng_states_recorded,
                                    conversions_in_forward)
+    from ..planner.library_shims import note_real_inputs
     from ..planner.graph import (BEFORE_STEP, BUFFER, FORWARD, GRADIENT, INPUT, OPTIMIZER,
                                  OPTIMIZER_STATE, PARAMETER, StepGraph)
     from ..planner.autocast import for_target as autocast_for_target
@@ -780,6 +781,7 @@ def _capture_sharded(model, inputs, *, strategy, world_size, rank, loss_fn, opti
             fmodel.train()
             fake_args = pytree.tree_map_only(
                 torch.Tensor, lambda t: _fake_like(t, t.requires_grad), tuple(inputs))
+            note_real_inputs(pytree.tree_leaves(fake_args), pytree.tree_leaves(tuple(inputs)))
             state.label = strategy
             try:
                 wrapped, opt = apply_strategy(fmodel, strategy, optimizer, profile=profile,

@@ -165,7 +165,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return overrides.get(func, func)(*args, **(kwargs or {}))
 
-    from ..library_shims import eager_paths
+    from ..library_shims import eager_paths, note_real_inputs
     from ..module_state import Snapshot, function_caches_kept
     from .apply_eager import restored_buffers
 
@@ -237,6 +237,7 @@ def forward_facts(model, inputs, train: bool = True, device: str = "cpu", autoca
                    else contextlib.nullcontext())
             with counter, Ops(), Kernels(), autocast_for_target(profile, autocast), amp, \
                     eager_paths(), function_caches_kept():
+                note_real_inputs(pytree.tree_leaves(args), pytree.tree_leaves(tuple(inputs)))
                 torch.func.functional_call(model, state, args)
             # Python attributes the forward rebinds (a step counter, a schedule) are state
             # as its buffers are.
