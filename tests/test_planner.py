@@ -1183,7 +1183,7 @@ def test_hugging_face_decoder_without_cache_traces_its_eager_attention_path(use_
     assert not hasattr(masking_utils.find_packed_sequence_indices, "__wrapped__")
 
 
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [False, True, "made and written"])
 def test_an_attention_mask_of_all_ones_traces_as_no_padding(padded):
     # Transformers reads the 2D padding mask's values: all ones, and attention runs with
     # no mask. A fake mask cannot tell, and the trace built a (B, 1, S, S) mask the eager
@@ -1200,26 +1200,58 @@ def test_an_attention_mask_of_all_ones_traces_as_no_padding(padded):
             self.lm = transformers.Qwen2ForCausalLM(cfg)
 
         def forward(self, ids, mask):
+            if padded == "made and written":  # ones, then padding: no longer all ones
+                mask = torch.ones_like(ids)
+                mask[:, -6:] = 0
             return self.lm(input_ids=ids, attention_mask=mask).logits
 
     model, ids = Masked(), torch.randint(0, 128, (4, 96))
     mask = torch.ones(4, 96, dtype=torch.long)
-    if padded:
+    if padded is True:
         mask[:, -6:] = 0
 
     def loss(out):
         return out.float().mean()
 
     t = pymemplan.trace(model, (ids, mask), loss_fn=loss, device="cpu")
-    assert t.peak_bytes == measure_step(model, (ids, mask), loss_fn=loss).peak_bytes
+    # (8 B: the scalar a setitem of 0 makes, which the fake step keeps a moment longer)
+    assert 0 <= t.peak_bytes - measure_step(model, (ids, mask), loss_fn=loss).peak_bytes <= 8
     plan = t.plan(int(t.peak_bytes * 0.85))
     assert plan.predicted_peak_bytes == plan.verified_peak_bytes
     plan.apply(model)
     try:
-        assert measure_step(model, (ids, mask), loss_fn=loss).peak_bytes == \
-            plan.predicted_peak_bytes
+        assert 0 <= plan.predicted_peak_bytes - \
+            measure_step(model, (ids, mask), loss_fn=loss).peak_bytes <= 8
     finally:
         plan.remove(model)
+
+
+def test_a_mask_of_ones_the_model_makes_for_itself_traces_as_no_padding():
+    # BART's decoder, given no mask, makes one with torch.ones and asks whether it pads:
+    # the trace follows which fake tensors are all ones (and casts of them, unwritten).
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4,
+                                  encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                  max_position_embeddings=128, dropout=0.0)
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = transformers.BartForConditionalGeneration(cfg)
+
+        def forward(self, ids, dec):
+            return self.lm(input_ids=ids, decoder_input_ids=dec).logits
+
+    model = Seq2Seq()
+    ids, dec = torch.randint(1, 128, (4, 96)), torch.randint(1, 128, (4, 48))
+
+    def loss(out):
+        return out.float().mean()
+
+    predicted = pymemplan.trace(model, (ids, dec), loss_fn=loss, device="cpu").peak_bytes
+    assert abs(predicted - measure_step(model, (ids, dec), loss_fn=loss).peak_bytes) <= 64
 
 
 def test_a_tensor_the_loss_closes_over_is_counted_once_for_the_whole_step():

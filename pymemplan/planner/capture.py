@@ -35,7 +35,7 @@ from .graph import (ACTIVATION, BACKWARD, BEFORE_STEP, BUFFER, FORWARD, GRADIENT
                     OPTIMIZER, OPTIMIZER_STATE, PARAMETER, TEMPORARY, OpNode, StepGraph,
                     TensorInfo)
 from .errors import PlannerError, UntraceableError
-from .library_shims import eager_paths, note_real_inputs
+from .library_shims import eager_paths, note_made, note_real_inputs
 from .module_state import HeldTensors, function_caches_kept, kept_as_it_was, storage_alias
 from .autocast import for_target as autocast_for_target
 from .profile import DeviceProfile, kernel_overrides, prepare_optimizer, state_on_device
@@ -854,7 +854,7 @@ def run_op(func, args, kwargs, nonzero_density=None):
     if out is not None:
         return out
     try:
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
     except RuntimeError:
         out = _ctc_loss_outputs(func, args, kwargs)
         if out is None:
@@ -862,6 +862,8 @@ def run_op(func, args, kwargs, nonzero_density=None):
         if out is None:
             raise
         return out
+    note_made(func, args, kwargs, out)  # masks of ones, which library code asks about
+    return out
 
 
 def _matmul_ops():
