@@ -122,7 +122,7 @@ def test_best_is_the_cheapest_row_that_fits(tight):
     assert a.best.relative_compute <= min(r.relative_compute for r in fitting) + 1e-3
     c, code = a.best.config, a.best.code
     assert c.autocast is None or "torch.autocast" in code
-    assert not c.checkpoint or "plan.apply(model)" in code
+    assert not c.checkpoint or "apply(model, {" in code
     assert c.accumulation == 1 or f"% {c.accumulation} == 0" in code
 
 
@@ -390,6 +390,9 @@ def test_inputs_without_a_batch_dimension_get_the_rows_that_do_not_need_one():
     (dict(capacity=float("inf")), "capacity=inf is not a size"),
     (dict(target_batch=True), "target_batch must be a positive integer, got True"),
     (dict(model=lambda x: x), "model must be a torch.nn.Module, got function"),
+    # A misspelt keyword for pymemplan.trace: refused before tracing, not a TypeError deep in.
+    (dict(probe_kernel=False), "unexpected keyword argument 'probe_kernel'"),
+    (dict(grads_present=True), "sets grads_present= itself"),
 ])
 def test_advise_arguments_that_make_no_sense_are_clear_errors(kwargs, message):
     args = dict(model=nn.Linear(4, 4), capacity="1GiB") | kwargs
@@ -436,3 +439,113 @@ def test_largest_batch_holds_where_reserved_memory_falls_as_the_batch_grows():
 
     assert reserved(best) <= cap and reserved(best + 1) > cap
     assert best >= 9 and reserved(5) > cap  # a batch below the answer does not fit
+
+
+def test_printed_code_runs_and_does_what_its_row_says(net, tight):
+    # Each row's code, run on the model for the device advised (here the CPU): autocast
+    # active in every forward, the micro-steps of accumulation under it, the row's own
+    # checkpoint plan applied, the optimizer stepping.
+    from pymemplan.planner.checkpoint import apply, remove
+
+    a, _ = tight
+    x = torch.randn(B, 256)
+    dtypes = []
+    hook = net.blocks[0][0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+
+    def marked():
+        return {n for n, m in net.named_modules() if getattr(m, "_pymemplan_checkpointed", 0)}
+
+    try:
+        for name in ("autocast bf16", f"accumulate to {B} (autocast bf16)", "checkpointing",
+                     "largest batch (autocast bf16 + checkpointing)"):
+            row = a.row(name)
+            c = row.config
+            dtypes.clear()
+            opt = torch.optim.Adam(net.parameters())
+            before = net.head.weight.detach().clone()
+            ns = dict(torch=torch, pymemplan=pymemplan, model=net, inputs=(x,),
+                      loss_fn=loss_fn, optimizer=opt, dataset=(x,),
+                      DataLoader=lambda ds, batch_size: [(ds[0][:batch_size],)] * 8)
+            try:
+                exec(row.code, ns)
+                applied = marked()
+            finally:
+                remove(net)
+            want = torch.bfloat16 if c.autocast == "bf16" else torch.float32
+            if "model(" in row.code:
+                assert dtypes and set(dtypes) == {want}, (name, row.code)
+            if "optimizer.step()" in row.code:
+                assert not torch.equal(before, net.head.weight), (name, row.code)
+            if c.checkpoint:
+                apply(net, dict(c.checkpoint))
+                try:
+                    assert applied and applied == marked(), (name, row.code)
+                finally:
+                    remove(net)
+            if c.accumulation > 1:
+                assert f"batch_size={c.batch}" in row.code and len(dtypes) == 8
+    finally:
+        hook.remove()
+
+
+def test_checkpointed_batch_search_steps_over_a_batch_the_model_cannot_run():
+    # The largest batch with checkpointing traces checkpoint plans at each batch tried: a
+    # batch the model cannot run (BatchNorm at 1) is stepped over there too, not an error.
+    model, x = _bn_mlp(), torch.randn(32, 64)
+    peak2 = pymemplan.trace(model, (x[:2],), loss_fn=lambda o: o.pow(2).mean(),
+                            optimizer=torch.optim.AdamW, device="cpu",
+                            probe_kernels=False).peak_bytes
+    a = pymemplan.advise(model, (x,), capacity=peak2 - 1, loss_fn=lambda o: o.pow(2).mean(),
+                         device="cpu", techniques=["batch", "checkpoint"], probe_kernels=False)
+    rows = a.rows_for("batch")
+    assert [r.name for r in rows][-1] == "largest batch (autocast bf16 + checkpointing)"
+    for r in rows:
+        assert r.fits is False and r.extra["largest_batch"] == 0
+        assert "a batch of 1 cannot run" in r.notes
+
+
+def test_a_batch_made_by_resizing_the_inputs_that_fails_says_so():
+    # The batch of a sequence-first input is its dim 1: resizing dim 0 where it equals the
+    # first input's leaves it as it is, and the step fails at any other batch. The error says
+    # at which batch, which inputs kept their size, and what to pass instead.
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(32, 64)
+
+        def forward(self, x, ctx):
+            return (self.a(x) + self.b(ctx).mean(0)).pow(2).mean()
+
+    x, ctx = torch.randn(16, 32), torch.randn(8, 16, 32)
+    with pytest.raises(PlannerError, match=r"(?s)traced at batch \d+: .*left as they were: "
+                                           r"input 1: \(8, 16, 32\).*make_inputs="):
+        pymemplan.advise(TwoInputs(), (x, ctx), capacity="1GiB", device="cpu",
+                         techniques=["batch"], probe_kernels=False)
+
+
+def test_best_does_not_pass_another_effective_batch_off_as_the_same_training(net, tight):
+    # A prime target: no micro-batch that fits divides it, so accumulation reaches more
+    # samples a step. That is another batch: the best says so, as for the rows that change
+    # the training; with a target it reaches exactly, it does not.
+    a0, _ = tight
+    for target, exact in ((509, False), (512, True)):
+        a = _advise(net, a0.capacity_bytes, techniques=["accumulation"], target_batch=target)
+        c = a.best.config
+        assert (c.batch * c.accumulation == target) is exact
+        assert ("changes the training itself" in a.best.notes) is not exact
+        if not exact:
+            assert f"{c.batch * c.accumulation} samples a step, not {target}" in a.best.notes
+
+
+def test_best_steps_over_micro_batches_the_model_cannot_run():
+    # When nothing fits alone, the best tries micro-batches with checkpointing, down to the
+    # divisors of the target: one the model cannot run (BatchNorm at 1, as in densenet121 at
+    # 32 x 32) is not a candidate, not the end of the whole comparison.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 4))
+    x = torch.randn(2, 64)
+    peak = pymemplan.trace(model, (x,), loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+                           device="cpu", probe_kernels=False).peak_bytes
+    a = pymemplan.advise(model, (x,), capacity=int(peak * 0.9), loss_fn=loss_fn, device="cpu",
+                         probe_kernels=False, techniques=["accumulation", "checkpoint"])
+    assert a.best is None and not any(r.fits for r in a)

@@ -328,6 +328,27 @@ class _Advisor:
                 "make_inputs=lambda batch: (...) that builds the inputs for a batch size")
         return inputs_at_batch(self.inputs, self.batch0, batch)
 
+    def _explain_resized(self, e: PlannerError, batch: int) -> None:
+        """Adds to ``e``'s message (its first line kept as it is) that the step failed at a
+        batch made by resizing dim 0 of the inputs, and which inputs were not resized: the
+        usual cause is an input whose batch is not its dim 0 (a sequence-first tensor)."""
+        import torch
+
+        if self.make_inputs is not None or batch == self.batch0 or self.batch0 is None \
+                or getattr(e, "_resized_noted", False):
+            return
+        kept = [f"input {i}: {tuple(a.shape)}" for i, a in enumerate(_leaves(self.inputs))
+                if isinstance(a, torch.Tensor) and (a.dim() == 0 or a.shape[0] != self.batch0)]
+        note = (f"\n(traced at batch {batch}: advise() made the inputs by resizing dim 0 of "
+                f"each input tensor whose dim 0 is {self.batch0}, the batch it read from the "
+                f"first input"
+                + (f"; left as they were: {', '.join(kept)}" if kept else "")
+                + ". If the batch is not dim 0 of every input, pass make_inputs=lambda batch: "
+                  "(...) that builds the inputs for a batch size, or leave out the rows that "
+                  "change it: techniques without 'batch' and 'accumulation')")
+        e.args = (f"{e.args[0] if e.args else e}{note}", *e.args[1:])
+        e._resized_noted = True
+
     def loss_for(self, batch: int):
         return self.loss_fn if self.make_loss_fn is None else self.make_loss_fn(batch)
 
@@ -371,9 +392,15 @@ class _Advisor:
                 if cfg.checkpoint:
                     apply(self.model, dict(cfg.checkpoint))
                     stack.callback(remove, self.model)
-                t = trace_step(self.model, self.inputs_for(cfg.batch), loss_fn=self.loss_for(cfg.batch),
-                               optimizer=self.optimizer_for(cfg), device=self.device,
-                               autocast=autocast, grads_present=cfg.accumulation > 1, **kwargs)
+                try:
+                    t = trace_step(self.model, self.inputs_for(cfg.batch),
+                                   loss_fn=self.loss_for(cfg.batch),
+                                   optimizer=self.optimizer_for(cfg), device=self.device,
+                                   autocast=autocast, grads_present=cfg.accumulation > 1,
+                                   **kwargs)
+                except PlannerError as e:
+                    self._explain_resized(e, cfg.batch)
+                    raise
         if cfg.weights is not None:
             from .weights import rewrite
 
@@ -449,6 +476,19 @@ class _Advisor:
                 return 0
             return reserved if reserved is not None else peak
 
+        if metric is not None:
+            given = metric
+
+            def metric(b: int) -> int:
+                # As measured(): a batch below the inputs' own that the model cannot run
+                # (BatchNorm at 1) is stepped over, whatever the metric traces.
+                try:
+                    return given(b)
+                except PlannerError as e:
+                    if b >= (self.batch0 or 0):
+                        raise
+                    self.cannot_run[b] = str(e)
+                    return 0
         if metric is not None or self.device != "cuda":
             return self._bracket(cfg, metric or (lambda b: measured(b, True)), limit)
         top = self._bracket(cfg, lambda b: measured(b, False), limit)
@@ -584,37 +624,48 @@ def step_seconds(t) -> dict[str, float]:
 # Code snippets
 # -----------------------------------------------------------------------------------------
 
-def _code_autocast(dtype: str) -> str:
+def _code_autocast(dtype: str, device: str = "cuda") -> str:
+    # The device the advice is for: torch.autocast('cuda') on a CPU step disables itself.
     if dtype == "fp16":
-        return ("scaler = torch.amp.GradScaler('cuda')\n"
-                "with torch.autocast('cuda', dtype=torch.float16):\n"
+        return (f"scaler = torch.amp.GradScaler({device!r})\n"
+                f"with torch.autocast({device!r}, dtype=torch.float16):\n"
                 "    loss = loss_fn(model(*inputs))\n"
                 "scaler.scale(loss).backward()\n"
                 "scaler.step(optimizer); scaler.update(); optimizer.zero_grad(set_to_none=True)")
-    return ("with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+    return (f"with torch.autocast({device!r}, dtype=torch.bfloat16):\n"
             "    loss = loss_fn(model(*inputs))\n"
             "loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)")
 
 
-def _code_accumulation(micro: int, steps: int) -> str:
-    return (f"# batches of {micro} samples, {steps} per optimizer step\n"
+def _code_accumulation(micro: int, steps: int, autocast: str | None = None,
+                       device: str = "cuda") -> str:
+    """The accumulation loop, each micro-step under ``autocast`` when the configuration has
+    it (the micro-steps are what autocast must cover, not one more step after the loop)."""
+    forward = f"loss = loss_fn(model(*inputs)) / {steps}"
+    if autocast:
+        forward = (f"with torch.autocast({device!r}, dtype=torch.{_AUTOCAST[autocast]}):\n"
+                   f"        {forward}")
+    scaled = autocast == "fp16"
+    return ((f"scaler = torch.amp.GradScaler({device!r})\n" if scaled else "")
+            + f"loader = DataLoader(dataset, batch_size={micro})  # {steps} per optimizer step\n"
             f"for i, inputs in enumerate(loader):\n"
-            f"    loss = loss_fn(model(*inputs)) / {steps}\n"
-            f"    loss.backward()\n"
-            f"    if (i + 1) % {steps} == 0:\n"
-            f"        optimizer.step(); optimizer.zero_grad(set_to_none=True)")
+            f"    {forward}\n"
+            + ("    scaler.scale(loss).backward()\n" if scaled else "    loss.backward()\n")
+            + f"    if (i + 1) % {steps} == 0:\n"
+            + ("        scaler.step(optimizer); scaler.update()\n"
+               "        optimizer.zero_grad(set_to_none=True)" if scaled else
+               "        optimizer.step(); optimizer.zero_grad(set_to_none=True)"))
 
 
-def _code_checkpoint(capacity: int, cfg: Config) -> str:
-    kwargs = ""
-    if cfg.autocast:
-        kwargs = f", autocast=torch.{_AUTOCAST[cfg.autocast]}"
-    lines = [f"plan = pymemplan.plan(model, inputs, budget={str(format_bytes(capacity))!r}, "
-             f"loss_fn=loss_fn, optimizer=type(optimizer){kwargs})",
-             "plan.apply(model)   # checkpoints, in place:"]
-    lines += [f"#   {m}: {p}" for m, p in cfg.checkpoint[:8]]
-    if len(cfg.checkpoint) > 8:
-        lines.append(f"#   ... and {len(cfg.checkpoint) - 8} more")
+def _code_checkpoint(cfg: Config) -> str:
+    """The row's own checkpoint plan, applied as traced: the modules and policies the row's
+    figures come from (planning again from the code would need this row's batch, device
+    and, on CUDA, the budget lowered for the allocator's fragmentation)."""
+    lines = ["from pymemplan.planner.checkpoint import apply",
+             "apply(model, {  # the checkpoint plan traced for this row, in place "
+             "(the same module's remove(model) undoes it)"]
+    lines += [f"    {m!r}: {p!r}," for m, p in cfg.checkpoint]
+    lines.append("})")
     return "\n".join(lines)
 
 
@@ -634,13 +685,14 @@ def combined_code(cfg: Config, base: Config, capacity: int, world_size: int, mod
 
         parts.append(weights_code(cfg.weights))
     if cfg.checkpoint:
-        parts.append(_code_checkpoint(capacity, cfg))
+        parts.append(_code_checkpoint(cfg))
     if cfg.accumulation > 1:
-        parts.append(_code_accumulation(cfg.batch, cfg.accumulation))
-    elif cfg.batch != base.batch:
-        parts.append(f"loader = DataLoader(dataset, batch_size={cfg.batch})")
-    if cfg.autocast:
-        parts.append(_code_autocast(cfg.autocast))
+        parts.append(_code_accumulation(cfg.batch, cfg.accumulation, cfg.autocast, device))
+    else:
+        if cfg.batch != base.batch:
+            parts.append(f"loader = DataLoader(dataset, batch_size={cfg.batch})")
+        if cfg.autocast:
+            parts.append(_code_autocast(cfg.autocast, device))
     return "\n".join(parts) if parts else "# nothing to change"
 
 
@@ -696,6 +748,7 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
     if "autocast" in trace_kwargs:
         raise PlannerError("advise() compares autocast itself (the precision rows); trace "
                            "the step without passing autocast=")
+    _check_trace_kwargs(trace_kwargs)
     if target_batch is not None and (not isinstance(target_batch, int)
                                      or isinstance(target_batch, bool) or target_batch < 1):
         raise PlannerError(f"target_batch must be a positive integer, got {target_batch!r}")
@@ -738,6 +791,25 @@ def advise(model, inputs, *, capacity="80GiB", optimizer=None, target_batch: int
                   batch=adv.batch0 or 0)
 
 
+def _check_trace_kwargs(trace_kwargs: dict) -> None:
+    """Keywords for :func:`pymemplan.trace` that advise() passes on: unknown ones (a typo)
+    and those advise() sets itself for each row are refused before anything is traced."""
+    import inspect
+
+    from ..planner.api import trace
+
+    own = {"model", "inputs", "loss_fn", "optimizer", "device", "autocast", "grads_present",
+           "grad_scaler"}
+    passed_on = [k for k in inspect.signature(trace).parameters if k not in own]
+    for k in trace_kwargs:
+        if k in own:
+            raise PlannerError(f"advise() sets {k}= itself for each configuration it traces; "
+                               f"call it without {k}=")
+        if k not in passed_on:
+            raise PlannerError(f"advise() got an unexpected keyword argument {k!r}; besides its "
+                               f"own it takes pymemplan.trace's {', '.join(passed_on)}")
+
+
 def _check_parameters_fit(model, capacity: int, world_size: int) -> None:
     """Parameters alone above the capacity: no single-GPU technique but smaller weights
     can help; unless sharding over ``world_size`` could, say which configuration might."""
@@ -774,10 +846,23 @@ def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
     if rows[0].fits:
         return replace(rows[0], technique="best", name="as it is: it fits")
     keeps_training = ("precision", "accumulation", "checkpoint", "allocator", "sharding")
-    same = [r.config for r in rows if r.fits and r.technique in keeps_training]
+    target = target_batch or adv.batch0
+
+    def keeps(r: Row) -> bool:
+        # Accumulation keeps the training only when it reaches the target exactly: 4 x 140
+        # for a target of 509 (a prime) is another batch.
+        return r.technique in keeps_training and not (
+            r.technique == "accumulation" and target
+            and r.config.batch * r.config.accumulation != target)
+
+    same = [r.config for r in rows if r.fits and keeps(r)]
+    # Rows that change the effective batch (accumulation that cannot reach the target
+    # exactly), with the optimizer and weights rows: the last resort.
+    other_batch = [r.config for r in rows if r.fits and r.technique == "accumulation"
+                   and not keeps(r)]
     if "allocator" in chosen and adv.device == "cuda":
         for r in rows:
-            if r.fits or r.technique not in keeps_training or r.config.allocator is not None:
+            if r.fits or not keeps(r) or r.config.allocator is not None:
                 continue
             for policy in _ALLOCATORS:  # PyTorch's own setting first
                 cfg = replace(r.config, allocator=policy)
@@ -787,14 +872,19 @@ def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
     if not same and "checkpoint" in chosen and "accumulation" in chosen and adv.batch0:
         # Micro-batches and checkpointing together: plan the micro-step that keeps the
         # batch largest.
-        target = target_batch or adv.batch0
         for ac in ([None, "bf16"] if "precision" in chosen else [None]):
             for micro in sorted({d for d in range(1, target + 1) if target % d == 0},
                                 reverse=True)[:4]:
                 cfg = replace(base, autocast=ac, batch=micro, accumulation=target // micro)
                 if cfg.accumulation == 1:
                     continue
-                plan, err = adv.checkpoint_plan(cfg)
+                try:
+                    plan, err = adv.checkpoint_plan(cfg)
+                except PlannerError as e:
+                    if micro >= adv.batch0:
+                        raise
+                    adv.cannot_run[micro] = str(e)  # BatchNorm at 1: not a candidate
+                    continue
                 if plan is not None and err is None:
                     same.append(replace(cfg, checkpoint=checkpoint_key(plan)))
                     break
@@ -805,14 +895,18 @@ def _best(adv: _Advisor, rows: list[Row], target_batch, chosen) -> Row | None:
             cfg = replace(base, autocast="bf16", sharding=strategy)
             if adv.fits(cfg):
                 same.append(cfg)
-    found = same or [r.config for r in rows if r.fits and r.technique in
-                     ("optimizer", "weights")]
+    found = same or other_batch + [r.config for r in rows if r.fits and r.technique in
+                                   ("optimizer", "weights")]
     if not found:
         return None
     c = min(found, key=lambda c: (round(adv.relative_compute(c), 3), len(c.changes(base))))
     code = combined_code(c, base, adv.capacity, adv.world_size, adv.model, adv.device)
+    changed = ("" if same else
+               f" ({c.batch * c.accumulation} samples a step, not {target})"
+               if c in other_batch else "")
     notes = "the cheapest configuration found that fits" + (
-        "" if same else "; it changes the training itself: nothing that keeps it fits")
+        "" if same else f"; it changes the training itself{changed}: nothing that keeps it "
+                        f"fits")
     return adv.row("best", ", ".join(c.changes(base)), c, code, notes=notes)
 
 

@@ -53,7 +53,7 @@ def precision(adv: _Advisor, target_batch) -> list:
                  f"parameters, gradients and optimizer state do not shrink")
         if ac == "fp16":
             notes += "; the grad scaler's scale and inf-check tensors are traced too"
-        rows.append(adv.row("precision", label, cfg, _code_autocast(ac), notes))
+        rows.append(adv.row("precision", label, cfg, _code_autocast(ac, adv.device), notes))
     return rows
 
 
@@ -82,7 +82,7 @@ def batch(adv: _Advisor, target_batch) -> list:
         if b == 0:
             r = adv.row("batch", label, replace(cfg, batch=1 if 1 not in adv.cannot_run
                                                 else adv.base.batch), "",
-                        notes=_none_fits(adv))
+                        notes=_none_fits(adv), largest_batch=0)
             r.fits = False
             rows.append(r)
             continue

@@ -10,13 +10,15 @@ step, ``op_level.py`` adds op-level units on AOTAutograd's joint graph (save or 
 each forward op, a MILP), which the backend weighs against the module-level plans.
 """
 
+from .apply_eager import apply, remove
 from .compile_backend import CompileBackend, compile_backend
 from .op_level import OpPlan
 from .plan import BudgetTooSmallError, Decision, Plan, make_plan, pareto
 from .problem import Candidate, CheckpointProblem, build_problem
 
 __all__ = ["BudgetTooSmallError", "Candidate", "CheckpointProblem", "CompileBackend",
-           "Decision", "OpPlan", "Plan", "build_problem", "compile_backend", "make_plan", "pareto", "plan"]
+           "Decision", "OpPlan", "Plan", "apply", "build_problem", "compile_backend", "make_plan",
+           "pareto", "plan", "remove"]
 
 
 def plan(model, inputs, budget, *, modules=None, policies=("full", "save-compute"),
