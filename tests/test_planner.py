@@ -1254,6 +1254,34 @@ def test_a_mask_of_ones_the_model_makes_for_itself_traces_as_no_padding():
     assert abs(predicted - measure_step(model, (ids, dec), loss_fn=loss).peak_bytes) <= 64
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_buffer_the_step_rebinds_to_another_shape_is_traced_from_what_it_leaves(autocast):
+    # A hidden state kept in a registered buffer across steps (truncated BPTT): the steady
+    # step finds the one the step before left, of this batch and dtype, and makes no zeros.
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.cell, self.head = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 10)
+            self.register_buffer("h", torch.zeros(1, 256))
+
+        def forward(self, x):
+            h = self.h
+            if h.shape[0] != x.shape[0]:
+                h = torch.zeros(x.shape[0], 256)
+            for t in range(x.shape[1]):
+                h = torch.tanh(self.inp(x[:, t]) + self.cell(h))
+            self.h = h.detach()
+            return self.head(h).float().logsumexp(-1).mean()
+
+    torch.manual_seed(0)
+    model, x = Stateful(), torch.randn(32, 16, 64)
+    before = model.h
+    t = pymemplan.trace(model, (x,), optimizer=torch.optim.AdamW, device="cpu", autocast=autocast)
+    assert model.h is before and model.h.device.type == "cpu"
+    assert t.peak_bytes == measure_step(model, (x,), optimizer=torch.optim.AdamW,
+                                        autocast=autocast).peak_bytes
+
+
 def test_a_tensor_the_loss_closes_over_is_counted_once_for_the_whole_step():
     # Targets held by a closure live through the step, however many ops read them; the
     # inputs a closure reads are the inputs, counted once already.

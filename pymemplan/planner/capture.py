@@ -1808,12 +1808,23 @@ def capture(model, inputs: tuple, *, loss_fn=None, optimizer=None, profile: Devi
             grads_present=grads_present, grad_scaler=grad_scaler,
             nonzero_density=nonzero_density)
         held = HeldTensors(model)
-        graph = run(held=held)
-        if held.left:
+        rebound: dict = {}
+        graph = run(held=held, rebound=rebound)
+        if held.left or rebound:
             # The step left tensors in its modules (a hook's self.activation = o.detach()),
-            # which every step after it finds there until its forward replaces them: traced
-            # again from there, as the model had not run before.
+            # or buffers of another shape or dtype (a hidden state of this batch), which
+            # every step after it finds there until its forward replaces them: traced again
+            # from there, as the model had not run before. (kept_as_it_was puts the real
+            # ones back.)
+            import torch
+
             held.stand_in()
+            stand_ins: dict = {}
+            for name, now in rebound.items():
+                owner, _, leaf = name.rpartition(".")
+                meta = stand_ins.setdefault(id(now), torch.empty_strided(
+                    tuple(now.shape), tuple(now.stride()), dtype=now.dtype, device="meta"))
+                model.get_submodule(owner)._buffers[leaf] = meta
             graph = run(held=HeldTensors(model))
         return graph
 
@@ -1836,7 +1847,8 @@ def _fake_kernel_log_quiet():
 
 def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, progress,
              probe_limit, grads_present, grad_scaler, nonzero_density,
-             held: HeldTensors | None = None) -> StepGraph:
+             held: HeldTensors | None = None,
+             rebound: dict | None = None) -> StepGraph:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
@@ -2026,6 +2038,15 @@ def _capture(model, inputs, *, loss_fn, optimizer, profile, autocast, train, pro
         except Exception as e:
             raise _untraceable(rec, e, model, tuple(inputs)) from e
 
+        if rebound is not None:
+            # Buffers the step rebound to a tensor of another shape or dtype (a hidden
+            # state kept across steps, of this batch): _reparametrize_module left the new
+            # ones in `state`.
+            for name, b in model.named_buffers(remove_duplicate=False):
+                now = state.get(name)
+                if (isinstance(now, torch.Tensor) and now is not fake_of[id(b)]
+                        and (now.shape != b.shape or now.dtype != b.dtype)):
+                    rebound[name] = now
         grads = set()
         for f in params:
             if f.grad is not None:
