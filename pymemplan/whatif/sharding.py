@@ -427,6 +427,7 @@ def _copies_of_reals(profile, fake_mode, model, fmodel, inputs, fake_args):
     from ..planner.capture import _Recorder
 
     copies = _Recorder(profile, fake_mode, None)
+    copies.phase = "warm-up"  # records nothing: no module attribution of autograd nodes
     fake = dict(fmodel.named_parameters(remove_duplicate=False))
     fake.update(fmodel.named_buffers(remove_duplicate=False))
     for name, t in (*model.named_parameters(remove_duplicate=False),
