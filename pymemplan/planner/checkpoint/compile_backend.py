@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import operator
 import re
+import warnings
 
 from ..errors import PlannerError
 
@@ -627,6 +628,17 @@ class CompileBackend:
         for pl, pk in self._extra_candidates(ctx):
             best, best_pred = self._better(best, best_pred, pl, pk, budget)
         self.predicted_peak_bytes = int(best_pred)
+        if best_pred > budget:
+            # Followed anyway, as the least it could do; said, not silent (squeezenet's
+            # chosen partition was predicted over its budget, and measured 2% over it).
+            from ...units import format_bytes
+
+            warnings.warn(
+                f"torch.compile: no candidate partition is predicted to fit the budget of "
+                f"{format_bytes(budget)}; following the one predicted lowest, "
+                f"{format_bytes(int(best_pred))} ({plan_kind(best)}). "
+                f"backend.least_compiled_peak() says how low the candidates go",
+                RuntimeWarning, stacklevel=2)
         if self.op_problem is not None and self.op_problem.forward_seconds:
             self.recompute_fraction = self._cost[id(best)] / self.op_problem.forward_seconds
         else:

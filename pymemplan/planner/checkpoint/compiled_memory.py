@@ -867,6 +867,21 @@ def num_user_outputs(fw, bw_places) -> int:
     return k
 
 
+def tangent_bytes(v) -> int:
+    """Bytes of the buffer AOTAutograd hands the backward for the gradient of an output
+    that is not contiguous (a slice of a larger tensor: a sliding-window key/value
+    cache's last positions). The gradient that reaches it (autograd's zeros for an
+    output the loss does not read, or the loss's gradient) is contiguous; the runtime
+    wrapper copies it into ``empty_strided`` of the strides the backward was traced
+    with (runtime_wrappers.coerce_to_expected_memory_format), whose storage spans every
+    stride (a dense layout, channels-last, its elements only):
+    Mistral's six cache slices of 3.5 KB took 42.4 KB each."""
+    if v.numel() == 0:
+        return 0
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride()))
+    return int(max(span, v.numel()) * v.element_size())
+
+
 def predict_step(fw, bw, frame, inductor: bool = True, reorder: bool = False) -> dict:
     """The compiled step's live bytes, from the partitioned graphs ``fw``, ``bw`` and the
     eager step's :class:`EagerFrame`: ``peak`` and where it is (``phase``: forward,
@@ -888,15 +903,20 @@ def predict_step(fw, bw, frame, inductor: bool = True, reorder: bool = False) ->
     cf = F.curve()
     fw_end = int(cf[-1])
     # The backward's arguments: the forward's saved storages (shared ones once) and the
-    # gradients of the outputs, which the loss window already holds.
+    # gradients of the outputs, which the loss window already holds (a non-contiguous
+    # one is copied into a buffer of its own, see tangent_bytes).
     fw_nodes = {nd.name: nd for nd in F.nodes}
-    groups, tangents = {}, []
+    groups, tangents, coerced = {}, [], []
     places = [ph for ph in bw.graph.nodes if ph.op == "placeholder"
               and isinstance(_val(ph), torch.Tensor)]
     for ph in places:
         f = fw_nodes.get(ph.name)
         if f is None:  # a gradient of an output
-            tangents.append((_nbytes(_val(ph)), [ph]))
+            v = _val(ph)
+            if v.is_contiguous():
+                tangents.append((_nbytes(v), [ph]))
+            else:  # copied into a buffer of the output's strides, which the loss lacks
+                coerced.append((tangent_bytes(v), [ph]))
             continue
         s = F.storage.get(f)
         if s is None or s not in F.size:
@@ -907,7 +927,7 @@ def predict_step(fw, bw, frame, inductor: bool = True, reorder: bool = False) ->
     donated = [m[0] for s, m in groups.items() if len(m) == 1 and s not in user]
     saved = [(F.size[s], members) for s, members in groups.items()]
     handed = {}
-    for size, members in saved + tangents:
+    for size, members in saved + tangents + coerced:
         for m in members:
             handed[m] = (members[0], size)
     B = GraphMemory(bw, fused, donated, handed, reorder=reorder)
